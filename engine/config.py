@@ -1,0 +1,202 @@
+"""The recipe: typed, validated all at once, every problem reported in one message.
+
+A recipe is a YAML file with four sections (model, data, train, checkpoint), each a dataclass below.
+Command-line overrides (--max_steps, --data, ...) are applied before validation, so a bad override is
+reported like a bad YAML value.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+RECIPES = Path(__file__).resolve().parent / "recipes"
+ASSETS = Path(__file__).resolve().parent / "assets"
+DEFAULT_RECIPE = RECIPES / "tiny.yaml"
+
+
+class ConfigError(ValueError):
+    """Bad user input. The message is the whole story: what, where, how to fix."""
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "deepseek_v3"
+    """Hugging Face model_type: deepseek_v3 or qwen3_moe."""
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    """Key/value heads (qwen3_moe; deepseek_v3 uses MLA and ignores it)."""
+    intermediate_size: int = 128
+    """Width of dense MLP layers (deepseek_v3's first_dense_layers)."""
+    moe_intermediate_size: int = 64
+    num_experts: int = 8
+    experts_per_token: int = 2
+    num_shared_experts: int = 1
+    first_dense_layers: int = 0
+    """deepseek_v3: how many leading layers use a dense MLP instead of MoE."""
+    vocab_size: int = 512
+    max_position_embeddings: int = 2048
+    kv_lora_rank: int = 32
+    q_lora_rank: int | None = None
+    qk_rope_head_dim: int = 8
+    qk_nope_head_dim: int = 16
+    v_head_dim: int = 16
+    rope_theta: float = 10000.0
+    init_from: str | None = None
+    """A Hugging Face model directory to load weights from (ZeRO-3-aware) instead of random init."""
+
+
+@dataclass
+class DataConfig:
+    path: str = str(ASSETS / "corpus.jsonl")
+    """A local .jsonl/.json/.parquet/.txt file, a folder of them, or a hub dataset name."""
+    text_field: str = "text"
+    tokenizer: str = str(ASSETS / "tokenizer")
+    """A tokenizer directory or hub name."""
+    seq_len: int = 128
+    streaming: bool = False
+    """Stream and tokenize on the fly instead of tokenizing everything up front."""
+    split: str = "train"
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 200
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    """Cosine decays the DS config's optimizer lr to lr * min_lr_ratio at max_steps."""
+    seed: int = 1234
+    log_every: int = 10
+    balance_rate: float = 0.0
+    """Aux-loss-free balancing (DeepSeek-V3): per-step update of each expert's routing bias. 0 = off."""
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 0
+    """Save every N optimizer steps (0 = only at the end)."""
+    every_minutes: float = 0.0
+    keep_last: int = 2
+
+
+@dataclass
+class Recipe:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run_dir: str = "runs/default"
+    resume: bool = False
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+ARCHS = ("deepseek_v3", "qwen3_moe")
+
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return any(_type_ok(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _fill(cls: type, raw: Any, where: str, problems: list[str]) -> Any:
+    """Build dataclass `cls` from a dict, collecting (not raising) every problem."""
+    obj = cls()
+    if raw is None:
+        return obj
+    if not isinstance(raw, dict):
+        problems.append(f"{where}: expected a mapping, got {type(raw).__name__}")
+        return obj
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key, value in raw.items():
+        path = f"{where}.{key}" if where else key
+        if key not in known:
+            problems.append(f"{path}: unknown key (known: {', '.join(sorted(known))})")
+        elif dataclasses.is_dataclass(hints[key]):
+            setattr(obj, key, _fill(hints[key], value, path, problems))
+        elif not _type_ok(value, hints[key]):
+            problems.append(f"{path}: expected {_type_name(hints[key])}, got {value!r}")
+        else:
+            setattr(obj, key, float(value) if hints[key] is float else value)
+    return obj
+
+
+def _type_name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def load_recipe(path: str | Path | None = None, overrides: dict | None = None) -> Recipe:
+    """Read a recipe YAML (default: the embedded tiny recipe), apply overrides, validate everything."""
+    path = Path(path) if path else DEFAULT_RECIPE
+    if not path.is_file():
+        raise ConfigError(f"recipe {path}: no such file (pass --config PATH to a recipe YAML)")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"recipe {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    for dotted, value in (overrides or {}).items():
+        section, _, key = dotted.rpartition(".")
+        target = raw.setdefault(section, {}) if section else raw
+        if isinstance(target, dict):
+            target[key] = value
+    problems: list[str] = []
+    recipe = _fill(Recipe, raw, "", problems)
+    problems += validate(recipe)
+    if problems:
+        raise ConfigError(f"recipe {path}: " + "; ".join(problems))
+    return recipe
+
+
+def validate(r: Recipe) -> list[str]:
+    m, d, t, c = r.model, r.data, r.train, r.checkpoint
+    p = []
+    if m.arch not in ARCHS:
+        p.append(f"model.arch: {m.arch!r} is not supported (choose one of {', '.join(ARCHS)})")
+    for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                 "moe_intermediate_size", "num_experts", "experts_per_token", "vocab_size"):
+        if getattr(m, name) < 1:
+            p.append(f"model.{name}: must be >= 1, got {getattr(m, name)}")
+    if m.experts_per_token > m.num_experts:
+        p.append(f"model.experts_per_token ({m.experts_per_token}) must be <= model.num_experts ({m.num_experts})")
+    if m.hidden_size % max(m.num_heads, 1):
+        p.append(f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_heads ({m.num_heads})")
+    if m.num_heads % max(m.num_kv_heads, 1):
+        p.append(f"model.num_heads ({m.num_heads}) must be divisible by model.num_kv_heads ({m.num_kv_heads})")
+    if not 0 <= m.first_dense_layers < m.num_layers:
+        p.append(f"model.first_dense_layers ({m.first_dense_layers}) must be in [0, num_layers)")
+    if m.init_from is not None and not Path(m.init_from, "config.json").is_file():
+        p.append(f"model.init_from: {m.init_from} is not a Hugging Face model directory (no config.json)")
+    if d.seq_len < 2 or d.seq_len > m.max_position_embeddings:
+        p.append(f"data.seq_len ({d.seq_len}) must be in [2, model.max_position_embeddings={m.max_position_embeddings}]")
+    if t.max_steps < 1:
+        p.append(f"train.max_steps: must be >= 1, got {t.max_steps}")
+    if t.warmup_steps < 0:
+        p.append(f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        p.append(f"train.min_lr_ratio ({t.min_lr_ratio}) must be in [0, 1]")
+    if t.log_every < 1:
+        p.append(f"train.log_every: must be >= 1, got {t.log_every}")
+    if t.balance_rate < 0:
+        p.append(f"train.balance_rate: must be >= 0, got {t.balance_rate}")
+    if t.balance_rate > 0 and m.arch != "deepseek_v3":
+        p.append(f"train.balance_rate: aux-loss-free balancing needs a routing-bias buffer that {m.arch} does "
+                 "not have (only deepseek_v3); set it to 0")
+    if c.every_steps < 0 or c.every_minutes < 0 or c.keep_last < 1:
+        p.append("checkpoint: every_steps and every_minutes must be >= 0 and keep_last >= 1")
+    return p

@@ -1,0 +1,108 @@
+"""DeepSpeed JSON configs: read, check against the world and the model, resolve documented "auto" values.
+
+The file goes to DeepSpeed as written. The only values the engine fills in are ones the file leaves as
+"auto" (documented in README.md):
+  expert_parallel.autoep_size = "auto"  -> the largest divisor of the expert count that divides the
+                                           world size and fits in one node (all-to-all stays intra-node)
+  train_batch_size = "auto"             -> micro_batch x grad_accum x data-parallel world size
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+from .config import ConfigError, Recipe
+
+
+def read_ds_config(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"DeepSpeed config {path}: no such file (pass --deepspeed_config ds_configs/zero3.json)")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"DeepSpeed config {path}: malformed JSON at line {e.lineno} column {e.colno}: "
+                          f"{e.msg}") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"DeepSpeed config {path}: expected a JSON object at the top level")
+    return cfg
+
+
+def auto_autoep_size(num_experts: int, world_size: int, ranks_per_node: int) -> int:
+    limit = math.gcd(world_size, max(ranks_per_node, 1))
+    return max(d for d in range(1, limit + 1) if num_experts % d == 0 and world_size % d == 0 and limit % d == 0)
+
+
+def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, ranks_per_node: int,
+                      where: str = "DeepSpeed config") -> dict:
+    """Check `cfg` for this world and model; return a copy with "auto" values filled in.
+
+    Every problem is collected and raised together as one ConfigError line.
+    """
+    cfg = copy.deepcopy(cfg)
+    p: list[str] = []
+    zero = cfg.get("zero_optimization", {}) or {}
+    stage = zero.get("stage", 0)
+    pipe = "pipeline" in cfg
+    if not pipe and stage not in (1, 2, 3):
+        p.append(f"zero_optimization.stage ({stage}) must be 1, 2 or 3")
+    if "scheduler" in cfg:
+        p.append("scheduler: remove it; the recipe's train.warmup_steps/min_lr_ratio/max_steps drive the LR "
+                 "schedule (the optimizer's lr stays in this file)")
+    if "optimizer" not in cfg:
+        p.append('optimizer: missing; add e.g. {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}}')
+
+    ep = cfg.get("expert_parallel")
+    ep_size = 1
+    if ep and ep.get("enabled"):
+        size = ep.get("autoep_size", 1)
+        n = recipe.model.num_experts
+        if size == "auto":
+            size = auto_autoep_size(n, world_size, ranks_per_node)
+            ep["autoep_size"] = size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            p.append(f'expert_parallel.autoep_size ({size!r}) must be a positive integer or "auto"')
+        else:
+            if n % size:
+                p.append(f"expert_parallel.autoep_size ({size}) must divide model.num_experts ({n}); "
+                         f'use one of {[d for d in range(1, n + 1) if n % d == 0 and world_size % d == 0]} or "auto"')
+            if world_size % size:
+                p.append(f"expert_parallel.autoep_size ({size}) must divide the world size ({world_size}); "
+                         'use "auto" to derive it')
+            ep_size = size
+        preset = ep.get("preset_model")
+        if preset is not None and preset != recipe.model.arch:
+            p.append(f"expert_parallel.preset_model ({preset!r}) does not match model.arch "
+                     f"({recipe.model.arch!r}); set it to {recipe.model.arch!r} or remove it")
+
+    # Batch sizes: DeepSpeed needs train_batch = micro x accum x data-parallel size.
+    micro = cfg.get("train_micro_batch_size_per_gpu")
+    accum = cfg.get("gradient_accumulation_steps", 1)
+    total = cfg.get("train_batch_size", "auto")
+    stages = cfg.get("pipeline", {}).get("stages", 1) if pipe else 1
+    dp = world_size // stages if stages and world_size % stages == 0 else None
+    if not isinstance(micro, int) or micro < 1:
+        p.append(f"train_micro_batch_size_per_gpu ({micro!r}) must be a positive integer")
+    elif not isinstance(accum, int) or accum < 1:
+        p.append(f"gradient_accumulation_steps ({accum!r}) must be a positive integer")
+    elif dp is None:
+        p.append(f"pipeline.stages ({stages}) must divide the world size ({world_size})")
+    elif total == "auto":
+        cfg["train_batch_size"] = micro * accum * dp
+    elif total != micro * accum * dp:
+        p.append(f"train_batch_size ({total}) != train_micro_batch_size_per_gpu ({micro}) x "
+                 f"gradient_accumulation_steps ({accum}) x data-parallel size ({dp}) = {micro * accum * dp}; "
+                 'fix one of them or set train_batch_size to "auto"')
+    if p:
+        raise ConfigError(f"{where}: " + "; ".join(p))
+    return cfg
+
+
+def uses_expert_parallel(cfg: dict) -> bool:
+    return bool((cfg.get("expert_parallel") or {}).get("enabled"))
+
+
+def ep_size(cfg: dict) -> int:
+    return int((cfg.get("expert_parallel") or {}).get("autoep_size", 1)) if uses_expert_parallel(cfg) else 1

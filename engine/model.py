@@ -1,0 +1,61 @@
+"""The model: a Hugging Face MoE architecture, built so that no rank ever holds all of it.
+
+This file knows the architecture, not the parallelism: `hf_config` maps the recipe onto a transformers
+config, and `build_model` constructs it through transformers' DeepSpeed integration, which runs
+`deepspeed.zero.Init` (ZeRO-3 partitions each module's parameters as soon as it is built) and
+initializes weights properly. DeepSpeed later swaps the MoE blocks for AutoEP layers.
+"""
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+
+
+def hf_config(m: ModelConfig, tokenizer=None):
+    """A transformers config for the recipe's model section."""
+    from transformers import AutoConfig
+
+    special = {}
+    if tokenizer is not None:
+        special = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                       eos_token_id=tokenizer.eos_token_id)
+    common = dict(vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
+                  num_attention_heads=m.num_heads, max_position_embeddings=m.max_position_embeddings,
+                  moe_intermediate_size=m.moe_intermediate_size, intermediate_size=m.intermediate_size,
+                  num_experts_per_tok=m.experts_per_token, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta}, **special)
+    if m.arch == "deepseek_v3":
+        return AutoConfig.for_model(
+            "deepseek_v3", n_routed_experts=m.num_experts, n_shared_experts=m.num_shared_experts,
+            num_key_value_heads=m.num_heads, first_k_dense_replace=m.first_dense_layers,
+            kv_lora_rank=m.kv_lora_rank, q_lora_rank=m.q_lora_rank, qk_rope_head_dim=m.qk_rope_head_dim,
+            qk_nope_head_dim=m.qk_nope_head_dim, v_head_dim=m.v_head_dim, head_dim=m.qk_rope_head_dim,
+            n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True, **common)
+    if m.arch == "qwen3_moe":
+        return AutoConfig.for_model(
+            "qwen3_moe", num_experts=m.num_experts, num_key_value_heads=m.num_kv_heads,
+            head_dim=m.hidden_size // m.num_heads, decoder_sparse_step=1, mlp_only_layers=[],
+            norm_topk_prob=True, output_router_logits=False, **common)
+    raise ValueError(f"unknown arch {m.arch}")
+
+
+def build_model(m: ModelConfig, ds_config: dict, tokenizer=None, dtype: torch.dtype = torch.float32):
+    """Construct (or load, with model.init_from) the model, partitioned from birth under ZeRO-3.
+
+    `ds_config` must stay the config later passed to deepspeed.initialize: transformers reads the ZeRO
+    stage from it to decide whether to build under zero.Init.
+    """
+    import torch._dynamo  # noqa: F401  (importing it inside zero.Init fails)
+    import transformers.generation.utils  # noqa: F401
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    keep_alive = HfDeepSpeedConfig(ds_config)  # transformers only holds a weak reference
+    if m.init_from:
+        model = AutoModelForCausalLM.from_pretrained(m.init_from, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_config(hf_config(m, tokenizer), dtype=dtype)
+    model._hf_ds_config = keep_alive
+    model.config.use_cache = False
+    return model

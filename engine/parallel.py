@@ -1,0 +1,71 @@
+"""Parallel setup, kept apart from the model: world shape, distributed init, the DeepSpeed engine.
+
+`deepspeed.initialize` does the heavy lifting: with `expert_parallel.enabled` in the DS config it swaps
+the model's MoE blocks for AutoEP layers (expert parallelism), then wraps everything in ZeRO.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class World:
+    rank: int
+    size: int
+    local_size: int
+
+
+def world_from_env() -> World:
+    """The launcher's world (RANK/WORLD_SIZE/LOCAL_SIZE); a plain `python` run is a world of one."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    return World(rank=int(os.environ.get("RANK", "0")), size=size,
+                 local_size=int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", size))))
+
+
+def init_distributed() -> None:
+    import deepspeed
+
+    if "RANK" not in os.environ:  # one process without a launcher: a world of one on localhost
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1",
+                          MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(29500 + os.getpid() % 1000)))
+    deepspeed.init_distributed()
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def model_dtype(ds_config: dict) -> torch.dtype:
+    if (ds_config.get("bf16") or {}).get("enabled"):
+        return torch.bfloat16
+    if (ds_config.get("fp16") or {}).get("enabled"):
+        return torch.float16
+    return torch.float32
+
+
+def warmup_cosine(warmup: int, total: int, min_ratio: float):
+    """LR multiplier: linear warmup to 1, cosine decay to min_ratio at `total` steps."""
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return f
+
+
+def build_engine(model: torch.nn.Module, ds_config: dict, train=None):
+    """deepspeed.initialize with the recipe's LR schedule; `train` None builds an optimizer-free engine."""
+    import deepspeed
+
+    schedule = None
+    if train is not None:
+        mult = warmup_cosine(train.warmup_steps, train.max_steps, train.min_lr_ratio)
+        schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, mult)  # noqa: E731
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config, lr_scheduler=schedule,
+                                      model_parameters=model.parameters() if train is not None else None)
+    return engine

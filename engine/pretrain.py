@@ -1,0 +1,121 @@
+"""Pretraining: preflight checks, then one short loop (batch -> forward -> backward -> step -> metrics)."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from . import checkpoint
+from .balance import ExpertBalance
+from .config import ConfigError, Recipe, load_recipe
+from .data import build_data, load_tokenizer, looks_local, data_files
+from .ds_config import read_ds_config, resolve_ds_config
+from .metrics import Metrics, print0
+from .model import build_model
+from .parallel import World, build_engine, init_distributed, model_dtype, world_from_env
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="Pretrain a MoE language model (start it with the deepspeed launcher).")
+    ap.add_argument("--deepspeed_config", required=True, help="DeepSpeed JSON, e.g. ds_configs/zero3.json")
+    ap.add_argument("--config", default=None, help="recipe YAML (default: the embedded tiny recipe)")
+    ap.add_argument("--max_steps", type=int, help="override train.max_steps")
+    ap.add_argument("--run_dir", help="override run_dir (metrics.jsonl and checkpoints go here)")
+    ap.add_argument("--resume", action="store_true", help="continue from RUN_DIR/checkpoints/latest")
+    ap.add_argument("--data", help="override data.path: a local text/jsonl/parquet file or folder, or a hub name")
+    ap.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)  # set by the launcher
+    return ap.parse_args(argv)
+
+
+def overrides(args: argparse.Namespace) -> dict:
+    o = {"train.max_steps": args.max_steps, "run_dir": args.run_dir, "data.path": args.data}
+    o = {k: v for k, v in o.items() if v is not None}
+    if args.resume:
+        o["resume"] = True
+    return o
+
+
+def preflight(args: argparse.Namespace, world: World):
+    """Everything that can be checked before any rank does work; raises one ConfigError naming every problem."""
+    recipe = load_recipe(args.config, overrides(args))
+    ds = resolve_ds_config(read_ds_config(args.deepspeed_config), recipe, world.size, world.local_size,
+                           where=f"DeepSpeed config {args.deepspeed_config}")
+    problems = []
+    tok = None
+    try:
+        tok = load_tokenizer(recipe.data.tokenizer)
+        if len(tok) > recipe.model.vocab_size and not recipe.model.init_from:
+            problems.append(f"data.tokenizer has {len(tok)} tokens but model.vocab_size is "
+                            f"{recipe.model.vocab_size}; raise model.vocab_size to at least {len(tok)}")
+    except ConfigError as e:
+        problems.append(str(e))
+    if looks_local(recipe.data.path):
+        try:
+            data_files(recipe.data.path)
+        except ConfigError as e:
+            problems.append(str(e))
+    if recipe.resume and checkpoint.latest(recipe.run_dir) is None:
+        problems.append(f"--resume: no checkpoint in {recipe.run_dir}/checkpoints (run without --resume to start fresh)")
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return recipe, ds, tok
+
+
+def train(recipe: Recipe, ds: dict, tok, world: World) -> list[dict]:
+    torch.manual_seed(recipe.train.seed)
+    data = build_data(recipe.data, tok, world.rank, world.size, recipe.train.seed)
+    model = build_model(recipe.model, ds, tok, dtype=model_dtype(ds))
+    engine = build_engine(model, ds, recipe.train)
+    balance = ExpertBalance(engine.module, recipe.train.balance_rate)
+    state = checkpoint.load(engine, recipe.run_dir) if recipe.resume else {"step": 0, "position": 0, "tokens": 0}
+    step, position, tokens = state["step"], state["position"], state["tokens"]
+    micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    tokens_per_step = engine.train_batch_size() * recipe.data.seq_len
+    batches = data.micro_batches(micro, world.rank, world.size, start=position)
+    metrics = Metrics(recipe.run_dir, recipe.train.max_steps, step, engine.monitor)
+    saver = checkpoint.Cadence(recipe.checkpoint)
+    device = engine.device
+    rows, t0, loss_sum = [], time.time(), torch.zeros((), device=device)
+    while step < recipe.train.max_steps:
+        for _ in range(accum):
+            position, ids = next(batches)
+            ids = ids.to(device)  # (micro, seq_len)
+            loss = engine(input_ids=ids, labels=ids).loss  # HF shifts labels inside
+            engine.backward(loss)
+            engine.step()  # DeepSpeed steps the optimizer on the last micro-batch of the accumulation
+            loss_sum += loss.detach() / accum
+        step, tokens = step + 1, tokens + tokens_per_step
+        balance.after_step()
+        metrics.advance()
+        if step % recipe.train.log_every == 0 or step == recipe.train.max_steps:
+            n = recipe.train.log_every if step % recipe.train.log_every == 0 else step % recipe.train.log_every
+            torch.distributed.all_reduce(loss_sum)
+            elapsed = time.time() - t0
+            row = {"step": step, "loss": loss_sum.item() / n / world.size, "lr": engine.get_lr()[0],
+                   "tokens_per_s": n * tokens_per_step / elapsed,
+                   "tokens_per_s_per_rank": n * tokens_per_step / elapsed / world.size,
+                   "tokens": tokens, "world_size": world.size, **balance.load_stats()}
+            metrics.log(row)
+            rows.append(row)
+            t0, loss_sum = time.time(), torch.zeros((), device=device)
+        if saver.due(step, recipe.train.max_steps):
+            checkpoint.save(engine, recipe, {"step": step, "position": position, "tokens": tokens}, tok)
+    metrics.close()
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    world = world_from_env()
+    try:
+        recipe, ds, tok = preflight(args, world)
+    except ConfigError as e:
+        if world.rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    init_distributed()
+    rows = train(recipe, ds, tok, world)
+    print0(f"done: {rows[-1]['step']} steps, final loss {rows[-1]['loss']:.4f}, run_dir {recipe.run_dir}")
+    return 0

@@ -1,0 +1,20 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="moe-engine",
+    version="0.1.0",
+    description="DeepSpeed-native pretraining and GRPO for Mixture-of-Experts language models",
+    packages=find_packages(include=["engine", "engine.*"]),
+    package_data={"engine": ["assets/*.jsonl", "assets/tokenizer/*", "recipes/*.yaml"]},
+    scripts=["bin/pretrain.py", "bin/make_default_assets.py"],
+    python_requires=">=3.10",
+    install_requires=[
+        "torch==2.13.0",           # pinned: a fresh machine installs a known build (CPU here, CUDA on GPU hosts)
+        "deepspeed==0.19.8",       # AutoEP + ZeRO-3 as measured in shared/DESIGN.md
+        "transformers>=5.17,<5.18",  # tested with AutoEP; 5.24 breaks it (DESIGN.md)
+        "accelerate>=1.1",         # transformers' DeepSpeed integration (HfDeepSpeedConfig) requires it
+        "datasets>=5.2,<6",
+        "pyyaml>=6",
+    ],
+    extras_require={"test": ["pytest>=8"]},
+)
