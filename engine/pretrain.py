@@ -63,11 +63,16 @@ def preflight(args: argparse.Namespace, world: World):
     return recipe, ds, tok
 
 
-def train(recipe: Recipe, ds: dict, tok, world: World) -> list[dict]:
+def build(recipe: Recipe, ds: dict, tok, world: World):
+    """Data for this rank, the model (partitioned from birth), the DeepSpeed engine."""
     torch.manual_seed(recipe.train.seed)
     data = build_data(recipe.data, tok, world.rank, world.size, recipe.train.seed)
     model = build_model(recipe.model, ds, tok, dtype=model_dtype(ds))
     engine = build_engine(model, ds, recipe.train)
+    return engine, data
+
+
+def train(recipe: Recipe, engine, data, tok, world: World) -> list[dict]:
     balance = ExpertBalance(engine.module, recipe.train.balance_rate)
     state = checkpoint.load(engine, recipe.run_dir) if recipe.resume else {"step": 0, "position": 0, "tokens": 0}
     step, position, tokens = state["step"], state["position"], state["tokens"]
@@ -116,6 +121,7 @@ def main(argv=None) -> int:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     init_distributed()
-    rows = train(recipe, ds, tok, world)
+    engine, data = build(recipe, ds, tok, world)
+    rows = train(recipe, engine, data, tok, world)
     print0(f"done: {rows[-1]['step']} steps, final loss {rows[-1]['loss']:.4f}, run_dir {recipe.run_dir}")
     return 0
