@@ -30,8 +30,12 @@ def probe(tmp, name: str, ranks: int, micro: int, recipe: str, *extra) -> list[d
     d = tmp / name
     d.mkdir()
     (d / "recipe.yaml").write_text(recipe)
-    # fp32 so that 2 ranks vs 1 differ only by summation order, not by bf16 rounding.
+    # fp32 so that 2 ranks vs 1 differ only by summation order, not by bf16 rounding; no persistence
+    # threshold, so ZeRO-3 keeps no small parameter whole on every rank.
     ds = write_ds(d / "ds.json", drop=("bf16",), train_micro_batch_size_per_gpu=micro)
+    cfg = json.loads(ds.read_text())
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    ds.write_text(json.dumps(cfg))
     launch(ranks, PROBE, "--out", d / "out", "--deepspeed_config", ds, "--config", d / "recipe.yaml",
            "--run_dir", d / "run", *extra, cwd=d)
     return [json.loads((d / "out" / f"rank{r}.json").read_text()) for r in range(ranks)]

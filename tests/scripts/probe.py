@@ -65,7 +65,9 @@ def main() -> None:
     params = {}
     for name, p in engine.module.named_parameters():
         full = int(p.ds_numel) if hasattr(p, "ds_numel") else p.numel()
-        local = int(p.ds_tensor.numel()) if hasattr(p, "ds_tensor") else p.numel()
+        # What this rank holds outside forward/backward: its partition, plus the whole tensor if ZeRO-3
+        # keeps it gathered (params under stage3_param_persistence_threshold).
+        local = int(p.ds_tensor.numel()) + p.data.numel() if hasattr(p, "ds_tensor") else p.numel()
         params[name] = {"full": full, "local": local, "shape": list(p.ds_shape if hasattr(p, "ds_shape") else p.shape),
                         "bytes_per_elem": p.element_size()}
     info["params"] = params

@@ -1,0 +1,280 @@
+"""bin/zero_to_fp32: real checkpoints (the real launcher, 1 and 2 CPU ranks, ZeRO-3 + AutoEP) exported to
+Hugging Face format give the engine's logits; bad input gets one line, exit 2, and leaves the output alone.
+
+This file is also the helper that gets the engine's logits: started by the launcher
+(`deepspeed --num_gpus N tests/test_export.py --ids IDS --logits OUT --deepspeed_config ... --run_dir RUN`)
+it builds the engine as bin/pretrain.py does, loads RUN's latest checkpoint and saves logits for IDS.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, env, launch, write_ds
+
+sys.path.insert(0, str(ROOT))
+ZERO_TO_FP32 = ROOT / "bin" / "zero_to_fp32"
+PRETRAIN = ROOT / "bin" / "pretrain.py"
+TOL = 1e-5
+
+# moe_intermediate_size != hidden_size, so a transposed expert weight cannot pass unnoticed. balance_rate > 0
+# moves DeepSeek-V3's routing bias off zero, so the exported e_score_correction_bias is exercised too.
+DEEPSEEK = """
+model: {arch: deepseek_v3, hidden_size: 32, num_layers: 3, first_dense_layers: 1, num_heads: 4,
+        intermediate_size: 64, moe_intermediate_size: 48, num_experts: 4, experts_per_token: 2,
+        num_shared_experts: 1, vocab_size: 512, max_position_embeddings: 128, kv_lora_rank: 16,
+        qk_rope_head_dim: 8, qk_nope_head_dim: 8, v_head_dim: 8}
+data: {seq_len: 32}
+train: {max_steps: 3, warmup_steps: 1, log_every: 1, balance_rate: 0.01}
+"""
+QWEN = """
+model: {arch: qwen3_moe, hidden_size: 32, num_layers: 2, num_heads: 4, num_kv_heads: 2, intermediate_size: 64,
+        moe_intermediate_size: 48, num_experts: 4, experts_per_token: 2, vocab_size: 512,
+        max_position_embeddings: 128}
+data: {seq_len: 32}
+train: {max_steps: 3, warmup_steps: 1, log_every: 1}
+"""
+
+
+def fixed_ids() -> torch.Tensor:
+    return torch.randint(3, 483, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+def train_and_probe(tmp: Path, recipe: str, ranks: int, preset: str) -> dict:
+    """Train a few steps with bin/pretrain.py, then get the engine's logits from the saved checkpoint."""
+    tmp.mkdir(parents=True)
+    (tmp / "recipe.yaml").write_text(recipe)
+    lines = (ROOT / "engine" / "assets" / "corpus.jsonl").read_text().splitlines()[:200]
+    (tmp / "corpus.jsonl").write_text("\n".join(lines) + "\n")  # small: tokenizing stays quick
+    zero3 = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())
+    ds = write_ds(tmp / "ds.json", drop=("bf16",), train_micro_batch_size_per_gpu=2,  # fp32 for a 1e-5 bound
+                  expert_parallel={**zero3["expert_parallel"], "preset_model": preset})
+    common = ["--deepspeed_config", ds, "--config", tmp / "recipe.yaml", "--run_dir", tmp / "run",
+              "--data", tmp / "corpus.jsonl"]
+    launch(ranks, PRETRAIN, *common, cwd=tmp)
+    torch.save(fixed_ids(), tmp / "ids.pt")
+    launch(ranks, Path(__file__), "--ids", tmp / "ids.pt", "--logits", tmp / "logits.pt", *common, cwd=tmp)
+    return {"dir": tmp, "run": tmp / "run", "logits": torch.load(tmp / "logits.pt"), "ranks": ranks}
+
+
+@pytest.fixture(scope="module")
+def deepseek2(tmp_path_factory):
+    return train_and_probe(tmp_path_factory.mktemp("export") / "deepseek2", DEEPSEEK, 2, "deepseek_v3")
+
+
+@pytest.fixture(scope="module")
+def deepseek1(tmp_path_factory):
+    return train_and_probe(tmp_path_factory.mktemp("export") / "deepseek1", DEEPSEEK, 1, "deepseek_v3")
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    return train_and_probe(tmp_path_factory.mktemp("export") / "qwen2", QWEN, 2, "qwen3_moe")
+
+
+def zero_to_fp32(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ZERO_TO_FP32), *map(str, args)], env=env(), capture_output=True,
+                          text=True, timeout=300)
+
+
+def export_ok(*args) -> None:
+    p = zero_to_fp32(*args)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def fresh_state(run: Path) -> dict:
+    """State dict of a freshly built transformers model of the run's recorded config (engine/model.py)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.config import ModelConfig
+    from engine.model import hf_config
+
+    ckpt = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    model_section = json.loads((ckpt / "engine_state.json").read_text())["recipe"]["model"]
+    cfg = hf_config(ModelConfig(**model_section), AutoTokenizer.from_pretrained(ckpt / "tokenizer"))
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(cfg).state_dict()
+
+
+def exported_tensors(out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    tensors = {}
+    for name in sorted(set(index["weight_map"].values())):
+        tensors.update(load_file(out / name))
+    assert set(index["weight_map"]) == set(tensors)
+    return tensors
+
+
+def hf_logits(out: Path, dtype=torch.float32) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=dtype).eval()
+    with torch.no_grad():
+        return model(input_ids=fixed_ids()).logits.float()
+
+
+@pytest.mark.parametrize("case", ["deepseek2", "deepseek1", "qwen2"])
+def test_export_gives_the_engines_logits(case, request, tmp_path):
+    run = request.getfixturevalue(case)
+    out = tmp_path / "hf"
+    export_ok(run["run"], out)  # a run dir: its checkpoints/latest
+
+    fresh = fresh_state(run["run"])
+    tensors = exported_tensors(out)
+    assert set(tensors) == set(fresh)
+    assert {k: tuple(t.shape) for k, t in tensors.items()} == {k: tuple(t.shape) for k, t in fresh.items()}
+    assert all(t.dtype == torch.float32 for t in tensors.values())
+    for f in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / f).is_file(), f
+
+    logits = hf_logits(out)
+    diff = (logits - run["logits"]).abs().max().item()
+    print(f"\n{case}: max abs logit diff engine vs exported HF model = {diff:.3g}")
+    assert logits.shape == run["logits"].shape
+    assert diff <= TOL
+
+
+def test_routing_bias_is_trained_and_exported(deepseek2, tmp_path):
+    out = tmp_path / "hf"
+    export_ok(deepseek2["run"] / "checkpoints", out)  # the checkpoints dir works too
+    tensors = exported_tensors(out)
+    biases = [t for k, t in tensors.items() if k.endswith("mlp.gate.e_score_correction_bias")]
+    assert len(biases) == 2 and all(b.abs().sum() > 0 for b in biases)  # balance_rate moved them
+
+
+def test_sharded_bf16_export(deepseek2, tmp_path):
+    fp32, bf16 = tmp_path / "fp32", tmp_path / "bf16"
+    export_ok(deepseek2["run"], fp32)
+    export_ok(deepseek2["run"], bf16, "--dtype", "bf16", "--max_shard_size", "60KB")
+    shards = sorted(bf16.glob("model-*.safetensors"))
+    assert len(shards) > 3 and all(f.stat().st_size <= 60_000 + 20_000 for f in shards)
+    a, b = exported_tensors(fp32), exported_tensors(bf16)
+    assert set(a) == set(b)
+    for k in a:
+        if k.endswith("e_score_correction_bias"):  # transformers keeps it in fp32 (_keep_in_fp32_modules_strict)
+            assert b[k].dtype == torch.float32 and torch.equal(a[k], b[k])
+        else:
+            assert b[k].dtype == torch.bfloat16 and torch.equal(a[k].to(torch.bfloat16), b[k]), k
+    assert json.loads((bf16 / "config.json").read_text())["dtype"] == "bfloat16"
+    diff = (hf_logits(bf16, torch.bfloat16) - deepseek2["logits"]).abs().max().item()
+    assert diff < 0.1, diff  # bf16 rounding only
+
+
+# ----------------------------------------------------------------------------------------------- bad input
+
+
+def copy_checkpoint(run: Path, to: Path) -> Path:
+    """A copy of the run's latest checkpoint, as RUN/checkpoints/<tag> + latest, for corrupting."""
+    src = run / "checkpoints"
+    tag = (src / "latest").read_text().strip()
+    shutil.copytree(src / tag, to / "checkpoints" / tag)
+    (to / "checkpoints" / "latest").write_text(tag)
+    return to / "checkpoints" / tag
+
+
+def refused(p: subprocess.CompletedProcess, *words) -> None:
+    assert p.returncode == 2, p.stdout + p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+@pytest.fixture
+def existing_output(tmp_path) -> Path:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    return out
+
+
+def untouched(out: Path) -> None:
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]  # no temp dir left
+
+
+def test_missing_checkpoint_dir(tmp_path):
+    p = zero_to_fp32(tmp_path / "nope", tmp_path / "out")
+    refused(p, "no such directory")
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_tag(deepseek2, existing_output):
+    refused(zero_to_fp32(deepseek2["run"], existing_output, "--tag", "step_99999999", "--force"),
+            "step_99999999", "step_00000003")
+    untouched(existing_output)
+
+
+def test_non_empty_output_needs_force(deepseek2, existing_output):
+    refused(zero_to_fp32(deepseek2["run"], existing_output), "not empty", "--force")
+    untouched(existing_output)
+    export_ok(deepseek2["run"], existing_output, "--force", "--max_shard_size", "100KB")
+    assert not (existing_output / "keep.txt").exists() and (existing_output / "config.json").is_file()
+
+
+@pytest.mark.parametrize("which", ["optim", "model"])
+def test_truncated_shard(deepseek2, existing_output, tmp_path, which):
+    tag = copy_checkpoint(deepseek2["run"], tmp_path / "copy")
+    f = tag / f"zero_pp_rank_1_mp_rank_00_{which}_states.pt"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    refused(zero_to_fp32(tmp_path / "copy", existing_output, "--force"), f.name, "truncated or corrupt")
+    untouched(existing_output)
+
+
+def test_missing_rank_file(deepseek2, existing_output, tmp_path):
+    tag = copy_checkpoint(deepseek2["run"], tmp_path / "copy")
+    (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    refused(zero_to_fp32(tmp_path / "copy", existing_output, "--force"), "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    untouched(existing_output)
+
+
+def test_shapes_that_do_not_match_the_recorded_config(deepseek2, existing_output, tmp_path):
+    tag = copy_checkpoint(deepseek2["run"], tmp_path / "copy")
+    state = json.loads((tag / "engine_state.json").read_text())
+    state["recipe"]["model"]["moe_intermediate_size"] = 40
+    (tag / "engine_state.json").write_text(json.dumps(state))
+    refused(zero_to_fp32(tag, existing_output, "--force"), "does not match", "gate_up_proj")
+    untouched(existing_output)
+
+
+# ------------------------------------------------------------------------------- helper: the engine's logits
+
+
+def dump_engine_logits() -> None:
+    """Launcher entry: load the run's latest checkpoint into a DeepSpeed engine, save its logits (rank 0)."""
+    import argparse
+
+    from engine import checkpoint, pretrain
+    from engine.model import build_model
+    from engine.parallel import build_engine, init_distributed, model_dtype, world_from_env
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ids", required=True)
+    ap.add_argument("--logits", required=True)
+    own, rest = ap.parse_known_args()
+    args = pretrain.parse_args(rest)
+    world = world_from_env()
+    recipe, ds, tok = pretrain.preflight(args, world)
+    init_distributed()
+    engine = build_engine(build_model(recipe.model, ds, tok, dtype=model_dtype(ds)), ds, recipe.train)
+    checkpoint.load(engine, recipe.run_dir)
+    engine.eval()
+    with torch.no_grad():
+        logits = engine(input_ids=torch.load(own.ids).to(engine.device)).logits.float().cpu()
+    if world.rank == 0:
+        torch.save(logits, own.logits)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    dump_engine_logits()
