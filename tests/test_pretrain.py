@@ -1,0 +1,128 @@
+"""One process, 1 CPU rank: the embedded default trains; bad input stops before any work with one clear line."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, ZERO3, env, read_metrics, write_ds
+
+from engine.config import RECIPES, ConfigError, load_recipe
+from engine.ds_config import auto_autoep_size, read_ds_config, resolve_ds_config
+
+PRETRAIN = ROOT / "bin" / "pretrain.py"
+
+
+def test_default_recipe_trains_in_this_process(tmp_path):
+    """The embedded default recipe, 1 rank, in the pytest process itself (no launcher)."""
+    from engine.pretrain import main
+
+    run = tmp_path / "run"
+    assert main(["--deepspeed_config", str(ZERO3), "--max_steps", "40", "--run_dir", str(run)]) == 0
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [10, 20, 30, 40]
+    assert {"step", "loss", "lr", "tokens_per_s"} <= rows[0].keys()
+    assert rows[-1]["loss"] < rows[0]["loss"] - 1.0, [r["loss"] for r in rows]  # ln(512)=6.2 at step 0
+    assert len(rows[0]["expert_load_max_over_mean"]) == 2  # one entry per MoE layer
+    assert (run / "checkpoints" / "latest").read_text() == "step_00000040"
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("ds", sorted((ROOT / "ds_configs").glob("*.json")), ids=lambda p: p.name)
+@pytest.mark.parametrize("world", [1, 2, 16])
+def test_every_shipped_config_resolves(recipe, ds, world):
+    r = load_recipe(recipe)
+    cfg = resolve_ds_config(read_ds_config(ds), r, world_size=world, ranks_per_node=min(world, 8))
+    ep = cfg["expert_parallel"]["autoep_size"]
+    assert r.model.num_experts % ep == 0 and world % ep == 0
+    assert cfg["train_batch_size"] == cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * world
+    assert read_ds_config(ds)["expert_parallel"]["autoep_size"] == "auto"  # the file itself is untouched
+
+
+def test_auto_autoep_size_stays_inside_a_node():
+    assert auto_autoep_size(num_experts=64, world_size=16, ranks_per_node=8) == 8
+    assert auto_autoep_size(num_experts=8, world_size=2, ranks_per_node=2) == 2
+    assert auto_autoep_size(num_experts=6, world_size=4, ranks_per_node=4) == 2
+    assert auto_autoep_size(num_experts=8, world_size=1, ranks_per_node=1) == 1
+
+
+def test_recipe_reports_every_problem_at_once(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {hidden_size: big, num_expert: 4}\ntrain: {max_steps: 0}\n")
+    with pytest.raises(ConfigError) as e:
+        load_recipe(bad)
+    msg = str(e.value)
+    assert "model.hidden_size: expected int, got 'big'" in msg
+    assert "model.num_expert: unknown key" in msg
+    assert "train.max_steps: must be >= 1" in msg
+
+
+def run_cli(tmp_path, *args, world: int = 1, recipe: str | None = None):
+    """bin/pretrain.py as the launcher would start rank 0 of `world`; returns the finished process."""
+    cmd = [sys.executable, str(PRETRAIN), *map(str, args)]
+    if recipe is not None:
+        (tmp_path / "recipe.yaml").write_text(recipe)
+        cmd += ["--config", str(tmp_path / "recipe.yaml")]
+    cmd += ["--run_dir", str(tmp_path / "run")]
+    e = env(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world), LOCAL_SIZE=str(world))
+    return subprocess.run(cmd, cwd=tmp_path, env=e, capture_output=True, text=True, timeout=120)
+
+
+TINY = (RECIPES / "tiny.yaml").read_text()
+
+
+@pytest.mark.parametrize("case, expect", [
+    ("unknown_key", "train.max_step: unknown key"),
+    ("wrong_type", "model.num_layers: expected int, got 'two'"),
+    ("ep_not_dividing_experts", "autoep_size (3) must divide model.num_experts (8)"),
+    ("ep_not_dividing_world", "autoep_size (4) must divide the world size (2)"),
+    ("missing_data", "data.path /nonexistent/corpus.jsonl: no such file or folder"),
+    ("tokenizer_too_big", "data.tokenizer has 483 tokens but model.vocab_size is 256"),
+    ("batch_mismatch", "train_batch_size (10) != train_micro_batch_size_per_gpu (8) x gradient_accumulation_steps (1)"),
+    ("malformed_json", "malformed JSON at line 1"),
+    ("resume_without_checkpoint", "--resume: no checkpoint in"),
+])
+def test_bad_input_is_one_clear_line_before_any_work(tmp_path, case, expect):
+    ds, args, recipe, world = ZERO3, [], None, 1
+    if case == "unknown_key":
+        recipe = TINY.replace("max_steps: 200", "max_step: 200")
+    elif case == "wrong_type":
+        recipe = TINY.replace("num_layers: 2", "num_layers: two")
+    elif case == "ep_not_dividing_experts":
+        ds = write_ds(tmp_path / "ds.json", expert_parallel={"enabled": True, "autoep_size": 3})
+        world = 3
+    elif case == "ep_not_dividing_world":
+        ds = write_ds(tmp_path / "ds.json", expert_parallel={"enabled": True, "autoep_size": 4})
+        world = 2
+    elif case == "missing_data":
+        args = ["--data", "/nonexistent/corpus.jsonl"]
+    elif case == "tokenizer_too_big":
+        recipe = TINY.replace("vocab_size: 512", "vocab_size: 256")
+    elif case == "batch_mismatch":
+        ds = write_ds(tmp_path / "ds.json", train_batch_size=10)
+    elif case == "malformed_json":
+        ds = tmp_path / "ds.json"
+        ds.write_text('{"train_micro_batch_size_per_gpu": 8,, }')
+    elif case == "resume_without_checkpoint":
+        args = ["--resume"]
+    p = run_cli(tmp_path, "--deepspeed_config", ds, *args, world=world, recipe=recipe)
+    assert p.returncode == 2, p.stderr[-2000:]
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], p.stderr
+    assert not (tmp_path / "run").exists()  # nothing started, nothing written
+
+
+def test_metrics_and_overrides_reach_the_run(tmp_path):
+    """--max_steps/--run_dir/--data overrides through the real launcher, on a local parquet file."""
+    import datasets
+
+    rows = [json.loads(line) for line in (ROOT / "engine" / "assets" / "corpus.jsonl").read_text().splitlines()[:2000]]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "docs.parquet"))
+    from conftest import launch
+
+    launch(1, PRETRAIN, "--deepspeed_config", ZERO3, "--max_steps", "5", "--data", tmp_path / "docs.parquet",
+           "--run_dir", tmp_path / "run", cwd=tmp_path)
+    m = read_metrics(tmp_path / "run")
+    assert m[-1]["step"] == 5 and m[-1]["world_size"] == 1
+    saved = json.loads((tmp_path / "run" / "checkpoints" / "step_00000005" / "engine_state.json").read_text())
+    assert saved["recipe"]["data"]["path"] == str(tmp_path / "docs.parquet")
