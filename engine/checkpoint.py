@@ -49,7 +49,7 @@ class Cadence:
         by_time = torch.tensor(float(self.c.every_minutes > 0 and time.time() - self.last >= 60 * self.c.every_minutes))
         if dist.is_initialized():
             dist.broadcast(by_time, 0)  # rank 0's clock decides, so all ranks enter the save together
-        due = step == max_steps or (self.c.every_steps and step % self.c.every_steps == 0) or bool(by_time)
+        due = (self.c.at_end and step == max_steps) or (self.c.every_steps and step % self.c.every_steps == 0) or bool(by_time)
         if due:
             self.last = time.time()
         return bool(due)

@@ -68,6 +68,8 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     max_steps: int = 200
+    lr: float = 3e-3
+    """Peak learning rate; fills the DS config's optimizer lr when that says "auto"."""
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
     """Cosine decays the DS config's optimizer lr to lr * min_lr_ratio at max_steps."""
@@ -83,6 +85,8 @@ class CheckpointConfig:
     """Save every N optimizer steps (0 = only at the end)."""
     every_minutes: float = 0.0
     keep_last: int = 2
+    at_end: bool = True
+    """Also save after the last step."""
 
 
 @dataclass
@@ -130,11 +134,21 @@ def _fill(cls: type, raw: Any, where: str, problems: list[str]) -> Any:
             problems.append(f"{path}: unknown key (known: {', '.join(sorted(known))})")
         elif dataclasses.is_dataclass(hints[key]):
             setattr(obj, key, _fill(hints[key], value, path, problems))
+        elif hints[key] is float and isinstance(value, str) and _is_number(value):
+            setattr(obj, key, float(value))  # YAML 1.1 reads 3e-4 (no dot) as a string
         elif not _type_ok(value, hints[key]):
             problems.append(f"{path}: expected {_type_name(hints[key])}, got {value!r}")
         else:
             setattr(obj, key, float(value) if hints[key] is float else value)
     return obj
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False
 
 
 def _type_name(hint: Any) -> str:
@@ -186,6 +200,8 @@ def validate(r: Recipe) -> list[str]:
         p.append(f"data.seq_len ({d.seq_len}) must be in [2, model.max_position_embeddings={m.max_position_embeddings}]")
     if t.max_steps < 1:
         p.append(f"train.max_steps: must be >= 1, got {t.max_steps}")
+    if t.lr <= 0:
+        p.append(f"train.lr: must be > 0, got {t.lr}")
     if t.warmup_steps < 0:
         p.append(f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")
     if not 0.0 <= t.min_lr_ratio <= 1.0:

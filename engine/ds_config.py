@@ -5,6 +5,7 @@ The file goes to DeepSpeed as written. The only values the engine fills in are o
   expert_parallel.autoep_size = "auto"  -> the largest divisor of the expert count that divides the
                                            world size and fits in one node (all-to-all stays intra-node)
   train_batch_size = "auto"             -> micro_batch x grad_accum x data-parallel world size
+  optimizer.params.lr = "auto"          -> the recipe's train.lr (the peak of its warmup + cosine schedule)
 """
 from __future__ import annotations
 
@@ -52,7 +53,9 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, ranks_per_node
         p.append("scheduler: remove it; the recipe's train.warmup_steps/min_lr_ratio/max_steps drive the LR "
                  "schedule (the optimizer's lr stays in this file)")
     if "optimizer" not in cfg:
-        p.append('optimizer: missing; add e.g. {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}}')
+        p.append('optimizer: missing; add e.g. {"type": "AdamW", "params": {"lr": "auto", "weight_decay": 0.1}}')
+    elif (cfg["optimizer"].get("params") or {}).get("lr", "auto") == "auto":
+        cfg["optimizer"].setdefault("params", {})["lr"] = recipe.train.lr
 
     ep = cfg.get("expert_parallel")
     ep_size = 1

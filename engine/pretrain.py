@@ -101,7 +101,8 @@ def train(recipe: Recipe, engine, data, tok, world: World) -> list[dict]:
             row = {"step": step, "loss": loss_sum.item() / n / world.size, "lr": engine.get_lr()[0],
                    "tokens_per_s": n * tokens_per_step / elapsed,
                    "tokens_per_s_per_rank": n * tokens_per_step / elapsed / world.size,
-                   "tokens": tokens, "world_size": world.size, **balance.load_stats()}
+                   "tokens": tokens, "world_size": world.size, "peak_mem_gib": peak_memory_gib(),
+                   **balance.load_stats()}
             metrics.log(row)
             rows.append(row)
             t0, loss_sum = time.time(), torch.zeros((), device=device)
@@ -109,6 +110,13 @@ def train(recipe: Recipe, engine, data, tok, world: World) -> list[dict]:
             checkpoint.save(engine, recipe, {"step": step, "position": position, "tokens": tokens}, tok)
     metrics.close()
     return rows
+
+
+def peak_memory_gib() -> float:
+    """This rank's peak accelerator memory (peak RSS on the CPU accelerator)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return round(get_accelerator().max_memory_allocated() / 2**30, 3)
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,680 @@
+"""Export a training checkpoint as a Hugging Face model: `bin/zero_to_fp32 CHECKPOINT_DIR OUTPUT_DIR`.
+
+What a checkpoint holds (DeepSpeed 0.19.8, ZeRO-3 + AutoEP, one file pair per rank r):
+  zero_pp_rank_{r}_mp_rank_00_model_states.pt  `param_shapes`: one dict name -> full shape per ZeRO
+      sub-group, in flat order; `buffer_names` + `module` (buffers in full, parameters empty);
+      `ds_autoep_layers`: per MoE layer and rank, the expert-parallel rank and which global experts it holds.
+  zero_pp_rank_{r}_mp_rank_00_optim_states.pt  `fp32_flat_groups[i]`: this rank's fp32 master partition of
+      sub-group i: every parameter of param_shapes[i] in order, each taking ceil(numel / partition_count)
+      elements (the last partition zero-padded); `ds_zero_partition_groups[i]` gives partition_count and this
+      rank's partition_rank. Dense parameters are partitioned over all ranks; AutoEP experts over the ranks
+      sharing an expert-parallel rank (expert data parallelism), and each expert-parallel rank stores only
+      its own experts, stacked: `<moe>.experts.w1`/`w3` (gate/up, [local experts, ffn, hidden]) and `w2`
+      (down, [local experts, hidden, ffn]), see deepspeed/moe/ep_repack.py.
+
+What Hugging Face wants (transformers 5.17, DeepSeek-V3 and Qwen3-MoE): `<moe>.experts.gate_up_proj`
+[experts, 2*ffn, hidden] = cat(gate, up) along dim 1 (`is_transposed` models store [experts, hidden, 2*ffn]),
+`<moe>.experts.down_proj` [experts, hidden, ffn], the router as `<moe>.gate.weight` and DeepSeek-V3's
+routing bias as `<moe>.gate.e_score_correction_bias` (AutoEP keeps them as `<moe>.router.gate.weight` and
+`<moe>.router.e_score_correction_bias`). The exported key set and shapes are those of a freshly built
+transformers model of the recorded config, checked before anything is written.
+
+Memory: the output is written one safetensors shard at a time; for each shard every rank's optimizer file
+is opened memory-mapped, only the fp32 pieces that shard needs are read, and the file is closed again.
+Peak RAM is about one output shard plus the pages of one input file (Adam moments are never read).
+The export is built in a temporary folder next to OUTPUT_DIR and renamed into place at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import re
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STATE_FILE = "engine_state.json"  # engine/checkpoint.py
+MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+# AutoEP renames a Hugging Face MoE block's children (deepspeed/module_inject/auto_ep_layer.py): the router
+# (preset `router_pattern`) becomes `router.gate`, shared experts (preset `shared_experts_pattern` /
+# `shared_experts_gate_pattern`) become `shared_experts` / `shared_experts_gate`. The presets' names, from
+# deepspeed/module_inject/auto_ep_presets/{deepseek_v3,qwen3_moe}.py:
+AUTOEP_NAMES = {
+    "deepseek_v3": {"router": "gate", "shared_experts": "shared_experts", "shared_experts_gate": None},
+    "qwen3_moe": {"router": "gate", "shared_experts": "shared_expert", "shared_experts_gate": "shared_expert_gate"},
+}
+
+
+class ExportError(Exception):
+    """Bad input: the message is one line saying what, where and how to fix it."""
+
+
+# ----------------------------------------------------------------------------------------------- locating
+
+
+def find_tag_dir(path: str | Path, tag: str | None) -> Path:
+    """The checkpoint folder to export: RUN_DIR or RUN_DIR/checkpoints (+ `latest` or --tag), or a tag folder."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ExportError(f"checkpoint dir {p}: no such directory (give RUN_DIR or RUN_DIR/checkpoints)")
+    if (p / "checkpoints").is_dir():
+        p = p / "checkpoints"
+    if tag is None and _model_files(p):
+        return p  # a tag folder itself
+    tags = sorted(d.name for d in p.iterdir() if d.is_dir() and _model_files(d))
+    if tag is not None:
+        if not (p / tag).is_dir() or "/" in tag or tag in (".", ".."):
+            raise ExportError(f"--tag {tag}: no such checkpoint in {p} (available: {', '.join(tags) or 'none'})")
+        return p / tag
+    latest = p / "latest"
+    if not latest.is_file():
+        if not tags:
+            raise ExportError(f"checkpoint dir {p}: no checkpoints in it (expected RUN_DIR/checkpoints/<tag>/ "
+                              "with zero_pp_rank_*_model_states.pt files)")
+        raise ExportError(f"checkpoint dir {p}: no `latest` file; pass --tag (available: {', '.join(tags)})")
+    name = latest.read_text().strip()
+    if not name or not (p / name).is_dir():
+        raise ExportError(f"checkpoint dir {p}: `latest` names {name!r}, which is not there; pass --tag "
+                          f"(available: {', '.join(tags) or 'none'})")
+    return p / name
+
+
+def _model_files(d: Path) -> list[Path]:
+    try:
+        return sorted(f for f in d.iterdir() if MODEL_FILE.match(f.name))
+    except OSError:
+        return []
+
+
+# ------------------------------------------------------------------------------------------------ reading
+
+
+class _Opaque:
+    """Inert stand-in for a DeepSpeed object pickled into a checkpoint (ZeroStageEnum, LossScaler, ...).
+
+    Lets `torch.load(weights_only=True)` read DeepSpeed's files without importing or running DeepSpeed code.
+    """
+
+    def __init__(self, *args, **kwargs):
+        self.args = args
+
+    def __setstate__(self, state):
+        self.state = state
+
+
+def _load(path: Path, mmap: bool = False):
+    """torch.load(weights_only=True) of a DeepSpeed file; its DeepSpeed objects become _Opaque stand-ins."""
+    import torch
+
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+        foreign = [n for n in names if not n.startswith("deepspeed.")]
+        if foreign:
+            raise ExportError(f"{path}: holds objects that are not tensors or DeepSpeed state ({', '.join(foreign)}); "
+                              "refusing to unpickle it")
+        with torch.serialization.safe_globals([(_Opaque, n) for n in names]):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except ExportError:
+        raise
+    except Exception as e:  # noqa: BLE001  (zipfile, pickle and torch raise many kinds)
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ExportError(f"{path}: cannot read it ({type(e).__name__}: {first}); the file is truncated or corrupt: "
+                          "copy the checkpoint again, or export an older one with --tag") from None
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+@dataclass
+class _Target:
+    """Where the pieces of one engine parameter (on one expert-parallel rank) go in the output."""
+    key: str                      # Hugging Face key
+    kind: str                     # "dense" | "gate" | "up" | "down"
+    experts: list | None = None   # expert kinds: global expert of each local expert (None: skip, a duplicate)
+
+
+@dataclass
+class _Frag:
+    group: int    # sub-group: index into fp32_flat_groups
+    offset: int   # first element in that flat group
+    length: int   # elements (padding excluded)
+    start: int    # first element in the (local) flattened engine parameter
+    target: _Target
+
+
+@dataclass
+class _Rank:
+    rank: int
+    model_file: Path
+    optim_file: Path
+    frags: list[_Frag] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    tag_dir: Path
+    recipe: dict
+    ranks: list[_Rank]
+    hf_config: object
+    keys: dict            # HF key -> (shape, torch dtype), in the model's state_dict order
+    buffers: dict         # HF key -> tensor (from rank 0's model states)
+    layout: dict          # HF expert key -> is_transposed
+    fp32_groups: int = 0
+
+
+def plan_export(tag_dir: Path, dtype: str = "fp32") -> Plan:
+    """Read every file's metadata, map every piece to its Hugging Face key, check it all against the config."""
+    import torch
+
+    state = _read_state(tag_dir)
+    ranks = _rank_files(tag_dir, state)
+
+    # Model states: shapes, buffers, AutoEP placement, per rank.
+    shapes_by_rank, autoep_by_rank, buffers, shared = {}, {}, {}, {}
+    for r in ranks:
+        ms = _load(r.model_file)
+        if not isinstance(ms, dict) or "param_shapes" not in ms:
+            raise ExportError(f"{r.model_file}: not a ZeRO-3 model-states file (no param_shapes); only ZeRO stage 3 "
+                              "checkpoints can be exported")
+        if ms.get("frozen_param_shapes"):
+            raise ExportError(f"{r.model_file}: has frozen (requires_grad=False) parameters "
+                              f"({', '.join(list(ms['frozen_param_shapes'])[:3])}, ...), which this exporter does "
+                              "not handle yet")
+        shapes_by_rank[r.rank] = [dict(g) for g in ms["param_shapes"]]
+        autoep_by_rank[r.rank] = ms.get("ds_autoep_layers") or []
+        shared.update(ms.get("shared_params") or {})
+        if r.rank == ranks[0].rank:
+            module = ms.get("module") or {}
+            buffers = {n: module[n].clone() for n in ms.get("buffer_names") or [] if n in module}
+        del ms
+
+    cfg = _hf_config(tag_dir, state)
+    model_type = cfg.model_type
+    names = AUTOEP_NAMES.get(model_type, AUTOEP_NAMES["deepseek_v3"])
+    keys, transposed, strict_fp32, tied = _hf_keys(cfg, dtype)
+
+    # Experts: engine name -> per rank (ep_rank, global experts of its local experts), from ds_autoep_layers.
+    moe_paths: set[str] = set()
+    expert_info: dict[str, dict[int, tuple[int, list[int], int]]] = {}
+    for rank, layers in autoep_by_rank.items():
+        for e in layers:
+            moe_paths.add(e["module_path"])
+            num, ep_size, ep_rank = int(e["num_experts"]), int(e["ep_size"]), int(e.get("ep_rank", 0))
+            placement = e.get("expert_placement")
+            if placement:
+                owned = {int(p["rank"]): [int(x) for x in p["experts"]] for p in placement["ranks"]}
+            else:
+                local = num // ep_size
+                owned = {k: list(range(k * local, (k + 1) * local)) for k in range(ep_size)}
+            for w in ("w1", "w2", "w3"):
+                expert_info.setdefault(f"{e['expert_key_prefix']}.{w}", {})[rank] = (ep_rank, owned[ep_rank], num)
+
+    def hf_name(name: str) -> str:
+        for m in moe_paths:
+            if name.startswith(m + "."):
+                rest = name[len(m) + 1:]
+                if rest.startswith("router.gate."):
+                    return f"{m}.{names['router']}.{rest[len('router.gate.'):]}"
+                if rest == "router.e_score_correction_bias":
+                    cands = [k for k in keys if k.startswith(m + ".") and k.endswith(".e_score_correction_bias")]
+                    return cands[0] if len(cands) == 1 else f"{m}.{names['router']}.e_score_correction_bias"
+                for ours, theirs in (("shared_experts_gate.", names["shared_experts_gate"]),
+                                     ("shared_experts.", names["shared_experts"])):
+                    if rest.startswith(ours) and theirs:
+                        return f"{m}.{theirs}.{rest[len(ours):]}"
+        return name
+
+    # Every parameter's fragments, per rank file; output shapes as the checkpoint implies them.
+    got_shapes: dict[str, tuple] = {}
+    seen: dict[tuple, set] = {}     # (engine name, ep_rank) -> partition ranks seen
+    counts: dict[tuple, int] = {}   # (engine name, ep_rank) -> partition count
+    experts_seen: dict[str, dict[int, tuple]] = {}   # HF key -> global expert -> (rank owning it)
+    for r in ranks:
+        optim = _optim_meta(r.optim_file, r.rank)
+        groups = shapes_by_rank[r.rank]
+        if len(groups) != len(optim["sizes"]):
+            raise ExportError(f"{r.optim_file}: has {len(optim['sizes'])} parameter groups but "
+                              f"{r.model_file.name} lists {len(groups)}; the files come from different saves")
+        for g, group in enumerate(groups):
+            pcount, prank = optim["partitions"][g]
+            offset = 0
+            for name, shape in group.items():
+                numel = _numel(shape)
+                part = -(-numel // pcount)
+                length = max(0, min(part, numel - prank * part))
+                if name in shared:
+                    offset += part
+                    continue
+                if name in expert_info:
+                    ep_rank, owned, num = expert_info[name][r.rank]
+                    if len(shape) != 3 or shape[0] != len(owned):
+                        raise ExportError(f"{r.model_file}: {name} has shape {tuple(shape)} but AutoEP metadata "
+                                          f"places {len(owned)} experts on expert-parallel rank {ep_rank}")
+                    w = name.rsplit(".", 1)[1]
+                    prefix = name[: -len(".w1")]
+                    key = f"{prefix}.{'down_proj' if w == 'w2' else 'gate_up_proj'}"
+                    kind = {"w1": "gate", "w3": "up", "w2": "down"}[w]
+                    ffn, hidden = (shape[1], shape[2]) if w != "w2" else (shape[2], shape[1])
+                    full = (num, 2 * ffn, hidden) if w != "w2" else (num, hidden, ffn)
+                    if transposed.get(key):
+                        full = (full[0], full[2], full[1])
+                    _same_shape(got_shapes, key, full, tag_dir)
+                    owners = experts_seen.setdefault(f"{key}:{kind}", {})
+                    local = []
+                    for ge in owned:
+                        if not 0 <= ge < num:
+                            raise ExportError(f"{r.model_file}: AutoEP placement names expert {ge} of {num}")
+                        first = owners.setdefault(ge, (ep_rank,))
+                        local.append(ge if first == (ep_rank,) else None)
+                    target = _Target(key, kind, local)
+                    unit = ep_rank
+                else:
+                    key = hf_name(name)
+                    _same_shape(got_shapes, key, tuple(shape), tag_dir)
+                    target = _Target(key, "dense")
+                    unit = None
+                ident = (name, unit)
+                if counts.setdefault(ident, pcount) != pcount:
+                    raise ExportError(f"{tag_dir}: {name} is partitioned {counts[ident]} ways on one rank and "
+                                      f"{pcount} on another; the files come from different saves")
+                if prank in seen.setdefault(ident, set()):
+                    raise ExportError(f"{tag_dir}: two files hold partition {prank} of {name}; the files come from "
+                                      "different saves")
+                seen[ident].add(prank)
+                if length:
+                    r.frags.append(_Frag(g, offset, length, prank * part, target))
+                offset += part
+            if offset > optim["sizes"][g]:
+                raise ExportError(f"{r.optim_file}: parameter group {g} holds {optim['sizes'][g]} values but its "
+                                  f"parameters need {offset}; the file does not belong to {r.model_file.name}")
+    for ident, parts in seen.items():
+        if parts != set(range(counts[ident])):
+            raise ExportError(f"{tag_dir}: partitions {sorted(set(range(counts[ident])) - parts)} of {ident[0]} are "
+                              "missing; copy every rank's zero_pp_rank_* files")
+    for kk, owners in experts_seen.items():
+        key, kind = kk.split(":")
+        num = got_shapes[key][0]
+        if len(owners) != num:
+            raise ExportError(f"{tag_dir}: experts {sorted(set(range(num)) - set(owners))} of {key} ({kind}) are in "
+                              "no file; copy every rank's zero_pp_rank_* files")
+
+    hf_buffers = {}
+    for name, t in buffers.items():
+        key = hf_name(name)
+        _same_shape(got_shapes, key, tuple(t.shape), tag_dir)
+        hf_buffers[key] = t
+    for key in tied:
+        got_shapes.pop(key, None)
+        keys.pop(key, None)
+
+    _check_against_config(got_shapes, keys, tag_dir)
+    for key in keys:
+        shape, _ = keys[key]
+        keys[key] = (shape, torch.float32 if key in strict_fp32 else getattr(torch, DTYPES[dtype]))
+    layout = {k: v for k, v in transposed.items() if k in keys}
+    return Plan(tag_dir, state.get("recipe", {}), ranks, cfg, keys, hf_buffers, layout)
+
+
+def _same_shape(got: dict, key: str, shape: tuple, tag_dir: Path) -> None:
+    if got.setdefault(key, tuple(shape)) != tuple(shape):
+        raise ExportError(f"{tag_dir}: {key} has shape {got[key]} in one file and {tuple(shape)} in another; "
+                          "the files come from different saves")
+
+
+def _check_against_config(got: dict, keys: dict, tag_dir: Path) -> None:
+    missing = [k for k in keys if k not in got]
+    extra = [k for k in got if k not in keys]
+    wrong = [(k, got[k], tuple(keys[k][0])) for k in keys if k in got and got[k] != tuple(keys[k][0])]
+    if not (missing or extra or wrong):
+        return
+    what = []
+    if wrong:
+        what.append("shapes differ: " + ", ".join(f"{k} is {a} in the checkpoint but {b} in the config"
+                                                  for k, a, b in wrong[:3]) + (" ..." if len(wrong) > 3 else ""))
+    if missing:
+        what.append(f"the config has {len(missing)} tensors the checkpoint lacks ({', '.join(missing[:3])}"
+                    f"{' ...' if len(missing) > 3 else ''})")
+    if extra:
+        what.append(f"the checkpoint has {len(extra)} tensors the config lacks ({', '.join(extra[:3])}"
+                    f"{' ...' if len(extra) > 3 else ''})")
+    raise ExportError(f"{tag_dir}: checkpoint does not match the model recorded in its {STATE_FILE}: "
+                      + "; ".join(what) + f" (was {STATE_FILE} edited, or are files from different runs mixed?)")
+
+
+def _read_state(tag_dir: Path) -> dict:
+    f = tag_dir / STATE_FILE
+    if not f.is_file():
+        raise ExportError(f"{tag_dir}: no {STATE_FILE}, so the model config is unknown (this exporter reads "
+                          "checkpoints written by bin/pretrain.py)")
+    try:
+        state = json.loads(f.read_text())
+        state["recipe"]["model"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ExportError(f"{f}: unreadable or has no recipe.model section ({type(e).__name__}: {e})") from None
+    return state
+
+
+def _rank_files(tag_dir: Path, state: dict) -> list[_Rank]:
+    ranks, mp = {}, set()
+    for f in _model_files(tag_dir):
+        m = MODEL_FILE.match(f.name)
+        ranks[int(m.group(1))] = f
+        mp.add(int(m.group(2)))
+    if not ranks:
+        raise ExportError(f"{tag_dir}: no zero_pp_rank_*_mp_rank_*_model_states.pt files; not a ZeRO-3 checkpoint")
+    if mp != {0}:
+        raise ExportError(f"{tag_dir}: has model-parallel ranks {sorted(mp)}; tensor/pipeline-parallel checkpoints "
+                          "are not supported by this exporter")
+    world = int(state.get("world_size", len(ranks)))
+    missing, extra = sorted(set(range(world)) - set(ranks)), sorted(set(ranks) - set(range(world)))
+    if missing or extra:
+        raise ExportError(f"{tag_dir}: the run had {world} ranks but model-states files for ranks "
+                          f"{missing or extra} are {'missing' if missing else 'extra'}; copy exactly that save's files")
+    out = []
+    for r, f in sorted(ranks.items()):
+        name = f.name.replace("_model_states.pt", "_optim_states.pt")
+        found = [tag_dir / n for n in (name, "bf16_" + name) if (tag_dir / n).is_file()]  # bf16 runs: bf16_ prefix
+        if len(found) != 1:
+            raise ExportError(f"{tag_dir}: {name} is {'missing' if not found else 'there twice (also with bf16_)'} "
+                              f"(it holds rank {r}'s fp32 weights); copy exactly one save's files")
+        out.append(_Rank(r, f, found[0]))
+    return out
+
+
+def _optim_meta(path: Path, file_rank: int) -> dict:
+    """Per sub-group: (partition_count, partition_rank) and the flat size; tensors stay on disk."""
+    sd = _load(path, mmap=True)
+    try:
+        osd = sd["optimizer_state_dict"]
+        stage = osd.get("zero_stage")
+        stage = stage.args[0] if isinstance(stage, _Opaque) and stage.args else stage
+        if stage is not None and int(getattr(stage, "value", stage)) != 3:
+            raise ExportError(f"{path}: a ZeRO stage {int(stage)} checkpoint; this exporter reads ZeRO stage 3 only")
+        flats = osd["fp32_flat_groups"]
+        meta = osd.get("ds_zero_partition_groups") or []
+        default = (int(osd.get("partition_count", 1)), file_rank)  # DeepSpeed without per-group metadata
+        parts = [(int(meta[i]["partition_count"]), int(meta[i]["partition_rank"])) if i < len(meta) else default
+                 for i in range(len(flats))]
+        return {"sizes": [int(t.numel()) for t in flats], "partitions": parts}
+    except ExportError:
+        raise
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        raise ExportError(f"{path}: not a ZeRO-3 optimizer-states file ({type(e).__name__}: {e})") from None
+    finally:
+        del sd
+        gc.collect()
+
+
+def _hf_config(tag_dir: Path, state: dict):
+    """The transformers config of the recorded recipe (engine/model.py:hf_config), dtype left to the caller."""
+    import dataclasses
+
+    from .config import ModelConfig
+    from .model import hf_config
+
+    raw = state["recipe"]["model"]
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    m = ModelConfig(**{k: v for k, v in raw.items() if k in known})
+    if m.init_from:
+        from transformers import AutoConfig
+
+        if not Path(m.init_from, "config.json").is_file():
+            raise ExportError(f"{tag_dir}: the run started from model.init_from={m.init_from}, whose config.json is "
+                              "gone; put that model back to export")
+        return AutoConfig.from_pretrained(m.init_from)
+    tok = _tokenizer(tag_dir, state)
+    try:
+        return hf_config(m, tok)
+    except (ValueError, TypeError) as e:
+        raise ExportError(f"{tag_dir / STATE_FILE}: its model section gives no valid config ({e})") from None
+
+
+def _tokenizer(tag_dir: Path, state: dict):
+    from transformers import AutoTokenizer
+
+    for where in (tag_dir / "tokenizer", state["recipe"].get("data", {}).get("tokenizer")):
+        if where and Path(where).is_dir():
+            try:
+                return AutoTokenizer.from_pretrained(str(where))
+            except Exception:  # noqa: BLE001
+                continue
+    raise ExportError(f"{tag_dir}: no tokenizer/ folder and the recipe's data.tokenizer is not readable; the config's "
+                      "pad/bos/eos ids come from it")
+
+
+def _hf_keys(cfg, dtype: str):
+    """A freshly built transformers model of `cfg`, on the meta device: its keys, shapes and expert layouts."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    keys = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+    transposed = {}
+    for name, mod in model.named_modules():
+        for p in ("gate_up_proj", "down_proj"):  # fused 3-D expert tensors (not the dense MLP's nn.Linear)
+            if f"{name}.{p}" in keys:
+                transposed[f"{name}.{p}"] = bool(getattr(mod, "is_transposed", False))
+    strict = set()
+    if DTYPES[dtype] != "float32":
+        names = set(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+        strict = {k for k in keys if names & set(k.split("."))}
+    tied = []
+    if getattr(cfg.get_text_config(), "tie_word_embeddings", False):
+        tied = [k for k in (getattr(model, "_tied_weights_keys", None) or {}) if k in keys]
+    cls = type(model).__name__
+    del model
+    cfg.architectures = [cls]
+    return keys, transposed, strict, tied
+
+
+# ------------------------------------------------------------------------------------------------ writing
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise ExportError(f"--max_shard_size {text!r}: expected a size like 2GB, 500MB or 1000000")
+    unit = (m.group(2) or "B").upper()
+    mult = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+            "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    size = int(float(m.group(1)) * mult)
+    if size < 1:
+        raise ExportError(f"--max_shard_size {text!r}: must be at least 1 byte")
+    return size
+
+
+def _shards(plan: Plan, max_bytes: int) -> list[list[str]]:
+    shards, cur, size = [], [], 0
+    for key, (shape, dt) in plan.keys.items():
+        n = _numel(shape) * dt.itemsize
+        if cur and size + n > max_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(key)
+        size += n
+    if cur:
+        shards.append(cur)
+    return shards
+
+
+def _copy_rows(dst, off: int, src) -> None:
+    """Write 1-D `src` into the row-major positions [off, off + len) of the 2-D view `dst`."""
+    cols = dst.shape[1]
+    n, pos = src.numel(), 0
+    r, c = divmod(off, cols)
+    if c:
+        take = min(cols - c, n)
+        dst[r, c:c + take].copy_(src[:take])
+        pos, r = take, r + 1
+    full = (n - pos) // cols
+    if full:
+        dst[r:r + full].copy_(src[pos:pos + full * cols].view(full, cols))
+        pos, r = pos + full * cols, r + full
+    if pos < n:
+        dst[r, :n - pos].copy_(src[pos:])
+
+
+def _write(out, frag: _Frag, src, transposed: bool) -> int:
+    """Copy one fragment into its output tensor; returns the number of elements written."""
+    t = frag.target
+    if t.kind == "dense":
+        out.view(-1)[frag.start:frag.start + frag.length].copy_(src)
+        return frag.length
+    # Experts: local [E_local, A, B] in the checkpoint; expert g of the output seen as an [A, B] view.
+    e_out = out.shape[2] if transposed else out.shape[1]   # 2*ffn (gate_up) or hidden (down)
+    if t.kind == "down":
+        view = (lambda g: out[g].t()) if transposed else (lambda g: out[g])
+    else:
+        half = e_out // 2
+        sl = slice(0, half) if t.kind == "gate" else slice(half, 2 * half)
+        view = (lambda g: out[g][:, sl].t()) if transposed else (lambda g: out[g][sl])
+    per = out[0].numel() // (2 if t.kind != "down" else 1)
+    written, pos = 0, 0
+    while pos < frag.length:
+        j, off = divmod(frag.start + pos, per)
+        take = min(per - off, frag.length - pos)
+        g = t.experts[j]
+        if g is not None:
+            _copy_rows(view(g), off, src[pos:pos + take])
+            written += take
+        pos += take
+    return written
+
+
+def write_export(plan: Plan, tmp: Path, max_bytes: int, log=print) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    shards = _shards(plan, max_bytes)
+    n = len(shards)
+    weight_map, total = {}, 0
+    for i, keys in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{n:05d}.safetensors"
+        wanted = set(keys)
+        out = {k: torch.empty(plan.keys[k][0], dtype=plan.keys[k][1]) for k in keys}
+        done = dict.fromkeys(keys, 0)
+        for r in plan.ranks:
+            frags = [f for f in r.frags if f.target.key in wanted]
+            if not frags:
+                continue
+            sd = _load(r.optim_file, mmap=True)
+            flats = sd["optimizer_state_dict"]["fp32_flat_groups"]
+            for f in frags:
+                src = flats[f.group].narrow(0, f.offset, f.length)
+                done[f.target.key] += _write(out[f.target.key], f, src, plan.layout.get(f.target.key, False))
+            del sd, flats, src
+            gc.collect()
+        for k in keys:
+            if k in plan.buffers:
+                out[k].copy_(plan.buffers[k])
+                done[k] = out[k].numel()
+        short = [k for k in keys if done[k] != out[k].numel()]
+        if short:
+            raise ExportError(f"{plan.tag_dir}: {short[0]} got {done[short[0]]} of {out[short[0]].numel()} values "
+                              "from the files; the checkpoint is incomplete")
+        save_file(out, str(tmp / name), metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in out.values())
+        weight_map.update(dict.fromkeys(keys, name))
+        log(f"wrote {name} ({len(keys)} tensors)")
+        del out
+        gc.collect()
+    (tmp / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+
+
+def export(checkpoint_dir: str | Path, output_dir: str | Path, tag: str | None = None, dtype: str = "fp32",
+           max_shard_size: str = "2GB", force: bool = False, log=print) -> Path:
+    """Export; raises ExportError on bad input, leaving OUTPUT_DIR as it was."""
+    import torch
+
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    max_bytes = parse_size(max_shard_size)
+    tag_dir = find_tag_dir(checkpoint_dir, tag).resolve()
+    out = Path(output_dir).absolute()
+    _check_output(out, tag_dir, force)
+    plan = plan_export(tag_dir, dtype)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.export-{os.getpid()}"
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        write_export(plan, tmp, max_bytes, log)
+        cfg = plan.hf_config
+        cfg.dtype = getattr(torch, DTYPES[dtype])
+        cfg.use_cache = True
+        cfg.save_pretrained(tmp)
+        from transformers import GenerationConfig
+
+        GenerationConfig.from_model_config(cfg).save_pretrained(tmp)
+        if (tag_dir / "tokenizer").is_dir():
+            for f in (tag_dir / "tokenizer").iterdir():
+                if f.is_file():
+                    shutil.copyfile(f, tmp / f.name)
+        else:
+            log(f"warning: {tag_dir} has no tokenizer/ folder; the export has none")
+        umask = os.umask(0)
+        os.umask(umask)
+        for f in tmp.iterdir():
+            f.chmod(0o666 & ~umask)  # safetensors creates its files 0600
+        tmp.chmod(0o777 & ~umask)
+        if out.exists():
+            os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _check_output(out: Path, tag_dir: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"output {out}: exists and is not a directory; choose a directory path")
+    real = out.resolve()
+    if real == tag_dir or real in tag_dir.parents or tag_dir in real.parents:
+        raise ExportError(f"output {out}: overlaps the checkpoint {tag_dir}; write the export somewhere else")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ExportError(f"output {out}: not empty; pass --force to replace it, or choose an empty directory")
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="zero_to_fp32",
+        description="Turn a ZeRO-3 + AutoEP checkpoint into a Hugging Face model folder (config.json, sharded "
+                    "*.safetensors, tokenizer) that loads with AutoModelForCausalLM.from_pretrained.")
+    ap.add_argument("checkpoint_dir", help="RUN_DIR, RUN_DIR/checkpoints (uses `latest`) or one checkpoint folder")
+    ap.add_argument("output_dir", help="where to write the Hugging Face model (must be empty unless --force)")
+    ap.add_argument("--tag", help="checkpoint to export, e.g. step_00000100 (default: the one `latest` names)")
+    ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="dtype of the exported weights")
+    ap.add_argument("--max_shard_size", default="2GB", help="largest safetensors file, e.g. 2GB, 500MB (default 2GB)")
+    ap.add_argument("--force", action="store_true", help="replace a non-empty OUTPUT_DIR")
+    ap.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
+    try:
+        out = export(args.checkpoint_dir, args.output_dir, tag=args.tag, dtype=args.dtype,
+                     max_shard_size=args.max_shard_size, force=args.force, log=log)
+    except ExportError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    log(f"exported to {out}")
+    return 0
