@@ -21,7 +21,7 @@ transformers model of the recorded config, checked before anything is written.
 
 Memory: the output is written one safetensors shard at a time; for each shard every rank's optimizer file
 is opened memory-mapped, only the fp32 pieces that shard needs are read, and the file is closed again.
-Peak RAM is about one output shard plus the pages of one input file (Adam moments are never read).
+Peak RAM is about one output shard plus one input file's share of it (Adam moments are never read).
 The export is built in a temporary folder next to OUTPUT_DIR and renamed into place at the end.
 """
 from __future__ import annotations
@@ -122,7 +122,7 @@ def _load(path: Path, mmap: bool = False):
     except ExportError:
         raise
     except Exception as e:  # noqa: BLE001  (zipfile, pickle and torch raise many kinds)
-        first = (str(e).strip().splitlines() or [""])[0][:200]
+        first = re.split(r"(?<=\.) ", (str(e).strip().splitlines() or [""])[0])[0][:160]
         raise ExportError(f"{path}: cannot read it ({type(e).__name__}: {first}); the file is truncated or corrupt: "
                           "copy the checkpoint again, or export an older one with --tag") from None
 
@@ -139,7 +139,7 @@ class _Target:
     """Where the pieces of one engine parameter (on one expert-parallel rank) go in the output."""
     key: str                      # Hugging Face key
     kind: str                     # "dense" | "gate" | "up" | "down"
-    experts: list | None = None   # expert kinds: global expert of each local expert (None: skip, a duplicate)
+    experts: list | None = None   # experts only: global index of each local expert (None: skip this copy)
 
 
 @dataclass
@@ -162,13 +162,11 @@ class _Rank:
 @dataclass
 class Plan:
     tag_dir: Path
-    recipe: dict
     ranks: list[_Rank]
     hf_config: object
     keys: dict            # HF key -> (shape, torch dtype), in the model's state_dict order
     buffers: dict         # HF key -> tensor (from rank 0's model states)
     layout: dict          # HF expert key -> is_transposed
-    fp32_groups: int = 0
 
 
 def plan_export(tag_dir: Path, dtype: str = "fp32") -> Plan:
@@ -196,6 +194,7 @@ def plan_export(tag_dir: Path, dtype: str = "fp32") -> Plan:
             module = ms.get("module") or {}
             buffers = {n: module[n].clone() for n in ms.get("buffer_names") or [] if n in module}
         del ms
+    optims = {r.rank: _optim_meta(r.optim_file, r.rank) for r in ranks}  # before any slow import: fail fast
 
     cfg = _hf_config(tag_dir, state)
     model_type = cfg.model_type
@@ -237,9 +236,9 @@ def plan_export(tag_dir: Path, dtype: str = "fp32") -> Plan:
     got_shapes: dict[str, tuple] = {}
     seen: dict[tuple, set] = {}     # (engine name, ep_rank) -> partition ranks seen
     counts: dict[tuple, int] = {}   # (engine name, ep_rank) -> partition count
-    experts_seen: dict[str, dict[int, tuple]] = {}   # HF key -> global expert -> (rank owning it)
+    experts_seen: dict[tuple, dict[int, int]] = {}  # (HF key, kind) -> global expert -> ep_rank it is taken from
     for r in ranks:
-        optim = _optim_meta(r.optim_file, r.rank)
+        optim = optims[r.rank]
         groups = shapes_by_rank[r.rank]
         if len(groups) != len(optim["sizes"]):
             raise ExportError(f"{r.optim_file}: has {len(optim['sizes'])} parameter groups but "
@@ -255,6 +254,9 @@ def plan_export(tag_dir: Path, dtype: str = "fp32") -> Plan:
                     offset += part
                     continue
                 if name in expert_info:
+                    if r.rank not in expert_info[name]:
+                        raise ExportError(f"{r.model_file}: holds {name} but no AutoEP metadata for it "
+                                          "(ds_autoep_layers); the files come from different saves")
                     ep_rank, owned, num = expert_info[name][r.rank]
                     if len(shape) != 3 or shape[0] != len(owned):
                         raise ExportError(f"{r.model_file}: {name} has shape {tuple(shape)} but AutoEP metadata "
@@ -268,13 +270,12 @@ def plan_export(tag_dir: Path, dtype: str = "fp32") -> Plan:
                     if transposed.get(key):
                         full = (full[0], full[2], full[1])
                     _same_shape(got_shapes, key, full, tag_dir)
-                    owners = experts_seen.setdefault(f"{key}:{kind}", {})
-                    local = []
+                    owners = experts_seen.setdefault((key, kind), {})
+                    local = []  # global index of each local expert; None where another rank's copy is used
                     for ge in owned:
                         if not 0 <= ge < num:
                             raise ExportError(f"{r.model_file}: AutoEP placement names expert {ge} of {num}")
-                        first = owners.setdefault(ge, (ep_rank,))
-                        local.append(ge if first == (ep_rank,) else None)
+                        local.append(ge if owners.setdefault(ge, ep_rank) == ep_rank else None)
                     target = _Target(key, kind, local)
                     unit = ep_rank
                 else:
@@ -300,8 +301,7 @@ def plan_export(tag_dir: Path, dtype: str = "fp32") -> Plan:
         if parts != set(range(counts[ident])):
             raise ExportError(f"{tag_dir}: partitions {sorted(set(range(counts[ident])) - parts)} of {ident[0]} are "
                               "missing; copy every rank's zero_pp_rank_* files")
-    for kk, owners in experts_seen.items():
-        key, kind = kk.split(":")
+    for (key, kind), owners in experts_seen.items():
         num = got_shapes[key][0]
         if len(owners) != num:
             raise ExportError(f"{tag_dir}: experts {sorted(set(range(num)) - set(owners))} of {key} ({kind}) are in "
@@ -321,7 +321,7 @@ def plan_export(tag_dir: Path, dtype: str = "fp32") -> Plan:
         shape, _ = keys[key]
         keys[key] = (shape, torch.float32 if key in strict_fp32 else getattr(torch, DTYPES[dtype]))
     layout = {k: v for k, v in transposed.items() if k in keys}
-    return Plan(tag_dir, state.get("recipe", {}), ranks, cfg, keys, hf_buffers, layout)
+    return Plan(tag_dir, ranks, cfg, keys, hf_buffers, layout)
 
 
 def _same_shape(got: dict, key: str, shape: tuple, tag_dir: Path) -> None:
@@ -339,7 +339,7 @@ def _check_against_config(got: dict, keys: dict, tag_dir: Path) -> None:
     what = []
     if wrong:
         what.append("shapes differ: " + ", ".join(f"{k} is {a} in the checkpoint but {b} in the config"
-                                                  for k, a, b in wrong[:3]) + (" ..." if len(wrong) > 3 else ""))
+                                                  for k, a, b in wrong[:2]) + (" ..." if len(wrong) > 2 else ""))
     if missing:
         what.append(f"the config has {len(missing)} tensors the checkpoint lacks ({', '.join(missing[:3])}"
                     f"{' ...' if len(missing) > 3 else ''})")
@@ -531,11 +531,10 @@ def _write(out, frag: _Frag, src, transposed: bool) -> int:
         out.view(-1)[frag.start:frag.start + frag.length].copy_(src)
         return frag.length
     # Experts: local [E_local, A, B] in the checkpoint; expert g of the output seen as an [A, B] view.
-    e_out = out.shape[2] if transposed else out.shape[1]   # 2*ffn (gate_up) or hidden (down)
-    if t.kind == "down":
+    if t.kind == "down":  # w2 [hidden, ffn] -> down_proj[g] [hidden, ffn] (transposed: [ffn, hidden])
         view = (lambda g: out[g].t()) if transposed else (lambda g: out[g])
-    else:
-        half = e_out // 2
+    else:  # w1 / w3 [ffn, hidden] -> first / second half of gate_up_proj[g] [2*ffn, hidden] ([hidden, 2*ffn])
+        half = (out.shape[2] if transposed else out.shape[1]) // 2
         sl = slice(0, half) if t.kind == "gate" else slice(half, 2 * half)
         view = (lambda g: out[g][:, sl].t()) if transposed else (lambda g: out[g][sl])
     per = out[0].numel() // (2 if t.kind != "down" else 1)
@@ -552,6 +551,13 @@ def _write(out, frag: _Frag, src, transposed: bool) -> int:
 
 
 def write_export(plan: Plan, tmp: Path, max_bytes: int, log=print) -> None:
+    import torch
+
+    with torch.no_grad():
+        _write_shards(plan, tmp, max_bytes, log)
+
+
+def _write_shards(plan: Plan, tmp: Path, max_bytes: int, log) -> None:
     import torch
     from safetensors.torch import save_file
 
@@ -570,7 +576,9 @@ def write_export(plan: Plan, tmp: Path, max_bytes: int, log=print) -> None:
             sd = _load(r.optim_file, mmap=True)
             flats = sd["optimizer_state_dict"]["fp32_flat_groups"]
             for f in frags:
-                src = flats[f.group].narrow(0, f.offset, f.length)
+                # detach: DeepSpeed saved the masters with requires_grad=True, and an in-place copy from them
+                # would record autograd history that keeps the whole mapped file alive.
+                src = flats[f.group].detach().narrow(0, f.offset, f.length)
                 done[f.target.key] += _write(out[f.target.key], f, src, plan.layout.get(f.target.key, False))
             del sd, flats, src
             gc.collect()

@@ -47,7 +47,7 @@ def fixed_ids() -> torch.Tensor:
     return torch.randint(3, 483, (2, 24), generator=torch.Generator().manual_seed(0))
 
 
-def train_and_probe(tmp: Path, recipe: str, ranks: int, preset: str) -> dict:
+def train_and_probe(tmp: Path, recipe: str, ranks: int, preset: str, autoep_size="auto") -> dict:
     """Train a few steps with bin/pretrain.py, then get the engine's logits from the saved checkpoint."""
     tmp.mkdir(parents=True)
     (tmp / "recipe.yaml").write_text(recipe)
@@ -55,7 +55,7 @@ def train_and_probe(tmp: Path, recipe: str, ranks: int, preset: str) -> dict:
     (tmp / "corpus.jsonl").write_text("\n".join(lines) + "\n")  # small: tokenizing stays quick
     zero3 = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())
     ds = write_ds(tmp / "ds.json", drop=("bf16",), train_micro_batch_size_per_gpu=2,  # fp32 for a 1e-5 bound
-                  expert_parallel={**zero3["expert_parallel"], "preset_model": preset})
+                  expert_parallel={**zero3["expert_parallel"], "preset_model": preset, "autoep_size": autoep_size})
     common = ["--deepspeed_config", ds, "--config", tmp / "recipe.yaml", "--run_dir", tmp / "run",
               "--data", tmp / "corpus.jsonl"]
     launch(ranks, PRETRAIN, *common, cwd=tmp)
@@ -75,8 +75,9 @@ def deepseek1(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def qwen2(tmp_path_factory):
-    return train_and_probe(tmp_path_factory.mktemp("export") / "qwen2", QWEN, 2, "qwen3_moe")
+def qwen4(tmp_path_factory):
+    # 4 ranks, expert parallel 2: each expert slice is also ZeRO-partitioned over 2 ranks (expert data parallel).
+    return train_and_probe(tmp_path_factory.mktemp("export") / "qwen4", QWEN, 4, "qwen3_moe", autoep_size=2)
 
 
 def zero_to_fp32(*args) -> subprocess.CompletedProcess:
@@ -122,7 +123,7 @@ def hf_logits(out: Path, dtype=torch.float32) -> torch.Tensor:
         return model(input_ids=fixed_ids()).logits.float()
 
 
-@pytest.mark.parametrize("case", ["deepseek2", "deepseek1", "qwen2"])
+@pytest.mark.parametrize("case", ["deepseek2", "deepseek1", "qwen4"])
 def test_export_gives_the_engines_logits(case, request, tmp_path):
     run = request.getfixturevalue(case)
     out = tmp_path / "hf"
@@ -145,7 +146,7 @@ def test_export_gives_the_engines_logits(case, request, tmp_path):
 
 def test_routing_bias_is_trained_and_exported(deepseek2, tmp_path):
     out = tmp_path / "hf"
-    export_ok(deepseek2["run"] / "checkpoints", out)  # the checkpoints dir works too
+    export_ok(deepseek2["run"] / "checkpoints", out, "--tag", "step_00000003")  # the checkpoints dir works too
     tensors = exported_tensors(out)
     biases = [t for k, t in tensors.items() if k.endswith("mlp.gate.e_score_correction_bias")]
     assert len(biases) == 2 and all(b.abs().sum() > 0 for b in biases)  # balance_rate moved them
@@ -167,6 +168,40 @@ def test_sharded_bf16_export(deepseek2, tmp_path):
     assert json.loads((bf16 / "config.json").read_text())["dtype"] == "bfloat16"
     diff = (hf_logits(bf16, torch.bfloat16) - deepseek2["logits"]).abs().max().item()
     assert diff < 0.1, diff  # bf16 rounding only
+
+
+def test_bf16_run_file_names(deepseek2, tmp_path):
+    """bf16 runs name the optimizer files bf16_zero_pp_rank_*; their content is the same fp32 partitions."""
+    tag = copy_checkpoint(deepseek2["run"], tmp_path / "copy")
+    for f in tag.glob("zero_pp_rank_*_optim_states.pt"):
+        f.rename(tag / f"bf16_{f.name}")
+    export_ok(tag, tmp_path / "a")  # a checkpoint folder itself
+    export_ok(deepseek2["run"], tmp_path / "b")
+    a, b = exported_tensors(tmp_path / "a"), exported_tensors(tmp_path / "b")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_expert_pieces_land_in_place(transposed):
+    """Fragments cut anywhere (across experts and rows) assemble HF's fused layout, plain or is_transposed."""
+    from engine.export import _Frag, _Target, _write
+
+    E, ffn, hidden, ep = 4, 3, 5, 2
+    w1, w3, w2 = torch.randn(E, ffn, hidden), torch.randn(E, ffn, hidden), torch.randn(E, hidden, ffn)
+    gate_up, down = torch.cat([w1, w3], dim=1), w2
+    if transposed:
+        gate_up, down = gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
+    owned = {0: [3, 1], 1: [0, 2]}  # a non-contiguous placement
+    out = {"gu": torch.full_like(gate_up, float("nan")), "d": torch.full_like(down, float("nan"))}
+    gen = torch.Generator().manual_seed(0)
+    for w, key, kind in ((w1, "gu", "gate"), (w3, "gu", "up"), (w2, "d", "down")):
+        for r in range(ep):
+            local = w[owned[r]].reshape(-1)
+            cuts = sorted(set(torch.randint(1, local.numel(), (6,), generator=gen).tolist()))
+            for a, b in zip([0] + cuts, cuts + [local.numel()]):
+                frag = _Frag(0, 0, b - a, a, _Target(key, kind, owned[r]))
+                assert _write(out[key], frag, local[a:b], transposed) == b - a
+    assert torch.equal(out["gu"], gate_up) and torch.equal(out["d"], down)
 
 
 # ----------------------------------------------------------------------------------------------- bad input
