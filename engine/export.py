@@ -370,7 +370,10 @@ def _rank_files(tag_dir: Path, state: dict) -> list[_Rank]:
         ranks[int(m.group(1))] = f
         mp.add(int(m.group(2)))
     if not ranks:
-        raise ExportError(f"{tag_dir}: no zero_pp_rank_*_mp_rank_*_model_states.pt files; not a ZeRO-3 checkpoint")
+        stage12 = (tag_dir / "mp_rank_00_model_states.pt").is_file()
+        raise ExportError(f"{tag_dir}: no zero_pp_rank_*_mp_rank_*_model_states.pt files; "
+                          + ("this is a ZeRO stage 1/2 checkpoint, and only ZeRO-3 checkpoints can be exported (train "
+                             "with ds_configs/zero3.json)" if stage12 else "not a ZeRO-3 checkpoint"))
     if mp != {0}:
         raise ExportError(f"{tag_dir}: has model-parallel ranks {sorted(mp)}; tensor/pipeline-parallel checkpoints "
                           "are not supported by this exporter")
