@@ -42,11 +42,13 @@ def tag_for(step: int) -> str:
 class Cadence:
     """When to save: every N steps, every M minutes (agreed across ranks), and at the last step."""
 
-    def __init__(self, c: CheckpointConfig):
-        self.c, self.last = c, time.time()
+    def __init__(self, c: CheckpointConfig, device: torch.device | str = "cpu"):
+        self.c, self.last, self.device = c, time.time(), device
 
     def due(self, step: int, max_steps: int) -> bool:
-        by_time = torch.tensor(float(self.c.every_minutes > 0 and time.time() - self.last >= 60 * self.c.every_minutes))
+        elapsed = time.time() - self.last
+        by_time = torch.tensor(float(self.c.every_minutes > 0 and elapsed >= 60 * self.c.every_minutes),
+                               device=self.device)  # NCCL only moves accelerator tensors
         if dist.is_initialized():
             dist.broadcast(by_time, 0)  # rank 0's clock decides, so all ranks enter the save together
         due = (self.c.at_end and step == max_steps) or (self.c.every_steps and step % self.c.every_steps == 0) or bool(by_time)

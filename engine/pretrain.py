@@ -80,8 +80,8 @@ def train(recipe: Recipe, engine, data, tok, world: World) -> list[dict]:
     tokens_per_step = engine.train_batch_size() * recipe.data.seq_len
     batches = data.micro_batches(micro, world.rank, world.size, start=position)
     metrics = Metrics(recipe.run_dir, recipe.train.max_steps, step, engine.monitor)
-    saver = checkpoint.Cadence(recipe.checkpoint)
     device = engine.device
+    saver = checkpoint.Cadence(recipe.checkpoint, device)
     rows, t0, loss_sum = [], time.time(), torch.zeros((), device=device)
     while step < recipe.train.max_steps:
         for _ in range(accum):

@@ -1,6 +1,7 @@
 """2 CPU ranks through the real launcher against 1 rank: ZeRO-3 partitions, expert-parallel slices,
 peak memory while building, disjoint data, and equal parameters after training on the same global batch.
 """
+import hashlib
 import json
 
 import numpy as np
@@ -112,3 +113,19 @@ def test_no_rank_holds_the_whole_model_while_building(tmp_path):
         # buffers) plus the one MoE layer AutoEP holds whole while it swaps it.
         assert grow2 < full_mb, (grow2, full_mb)
         assert grow2 < 0.75 * grow1, (grow2, grow1)
+
+
+def test_streaming_ranks_read_disjoint_documents_covering_the_set(tmp_path):
+    """Streaming mode: each rank reads its own files of a 4-file folder; together, every document once."""
+    lines = (ROOT / "engine" / "assets" / "corpus.jsonl").read_text().splitlines()[:400]
+    data = tmp_path / "docs"
+    data.mkdir()
+    for i in range(4):
+        (data / f"part{i}.jsonl").write_text("\n".join(lines[i::4]) + "\n")
+    recipe = RECIPE.replace("data: {seq_len: 32}", f"data: {{seq_len: 32, streaming: true, path: {data}}}")
+    two = probe(tmp_path, "two", 2, 1, recipe)
+    a, b = two[0]["epoch_docs"], two[1]["epoch_docs"]
+    assert len(a) == len(b) == 200
+    assert not set(a) & set(b)
+    all_docs = {hashlib.md5(json.loads(line)["text"].encode()).hexdigest() for line in lines}
+    assert set(a) | set(b) == all_docs
