@@ -34,6 +34,17 @@ def story(rng: random.Random) -> str:
             f"Now {n} has {k + j} {t}.")
 
 
+def make_prompts(n_eval: int = 200, seed: int = 1) -> None:
+    """GRPO's bundled task: the corpus's arithmetic questions, split into train and held-out prompts."""
+    rng = random.Random(seed)
+    items = [(a, op, b) for a in range(51) for b in range(51) for op in "+-" if op == "+" or a >= b]
+    rng.shuffle(items)
+    for name, part in (("arith_eval.jsonl", items[:n_eval]), ("arith_train.jsonl", items[n_eval:])):
+        with open(ASSETS / name, "w") as f:
+            for a, op, b in part:
+                f.write(json.dumps({"prompt": f"Q: {a} {op} {b} = ? A:", "answer": str(a + b if op == "+" else a - b)}) + "\n")
+
+
 def main(n_docs: int = 20000, vocab_size: int = 512, seed: int = 0) -> None:
     rng = random.Random(seed)
     docs = [" ".join(arithmetic(rng) if rng.random() < 0.6 else story(rng) for _ in range(rng.randint(2, 6)))
@@ -53,6 +64,7 @@ def main(n_docs: int = 20000, vocab_size: int = 512, seed: int = 0) -> None:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", bos_token="<|bos|>",
                                    eos_token="<|eos|>")
     fast.save_pretrained(ASSETS / "tokenizer")
+    make_prompts()
     print(f"wrote {len(docs)} docs and a {len(fast)}-token tokenizer to {ASSETS}")
 
 

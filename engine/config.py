@@ -90,11 +90,41 @@ class CheckpointConfig:
 
 
 @dataclass
+class GRPOConfig:
+    """GRPO (bin/grpo.py). Per step each rank takes micro_batch x grad_accum / group_size prompts from the DS
+    config's batch sizes, samples group_size completions of each, and makes `iterations` optimizer steps."""
+    group_size: int = 8
+    """G: completions per prompt (>= 2: advantages compare a completion with its group)."""
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    iterations: int = 1
+    """Optimizer steps per rollout batch; the rollout's log-probs are the old policy for all of them."""
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    beta: float = 0.0
+    """KL weight; 0 builds no reference engine."""
+    kl: str = "k3"
+    aggregation: str = "grpo"
+    """grpo | dapo | dr_grpo."""
+    normalize_std: bool = True
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal (DAPO): they carry no signal."""
+    rewards: list = field(default_factory=lambda: [{"name": "numeric", "weight": 1.0, "which": "first"}])
+    rollout: str = "auto"
+    """local (a gathered copy of the policy on each device, when it fits) | engine (through DeepSpeed) | auto."""
+    eval_path: str | None = None
+    """Held-out prompts (jsonl with prompt/answer), scored greedily at eval_every steps."""
+    eval_every: int = 10
+
+
+@dataclass
 class Recipe:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
     run_dir: str = "runs/default"
     resume: bool = False
 
@@ -213,6 +243,15 @@ def validate(r: Recipe) -> list[str]:
     if t.balance_rate > 0 and m.arch != "deepseek_v3":
         p.append(f"train.balance_rate: aux-loss-free balancing needs a routing-bias buffer that {m.arch} does "
                  "not have (only deepseek_v3); set it to 0")
+    g = r.grpo
+    if g.group_size < 2:
+        p.append(f"grpo.group_size ({g.group_size}) must be >= 2: advantages compare completions within a group")
+    if g.max_new_tokens < 1 or g.iterations < 1 or g.eval_every < 1:
+        p.append("grpo.max_new_tokens, grpo.iterations and grpo.eval_every must be >= 1")
+    if g.rollout not in ("auto", "local", "engine"):
+        p.append(f"grpo.rollout: {g.rollout!r} is not one of auto, local, engine")
+    if g.eval_path is not None and not Path(g.eval_path).exists():
+        p.append(f"grpo.eval_path {g.eval_path}: no such file")
     if c.every_steps < 0 or c.every_minutes < 0 or c.keep_last < 1:
         p.append("checkpoint: every_steps and every_minutes must be >= 0 and keep_last >= 1")
     return p

@@ -422,7 +422,7 @@ def _hf_config(tag_dir: Path, state: dict):
     import dataclasses
 
     from .config import ModelConfig
-    from .model import hf_config
+    from .model import make_hf_config as hf_config
 
     raw = state["recipe"]["model"]
     known = {f.name for f in dataclasses.fields(ModelConfig)}

@@ -39,7 +39,7 @@ class Metrics:
         if self.monitor is not None:
             self.monitor.write_events([(f"Train/{k}", v, row["step"]) for k, v in row.items()
                                        if k != "step" and isinstance(v, (int, float))])
-        shown = {k: row[k] for k in ("loss", "lr", "tokens_per_s") if k in row}
+        shown = {k: row[k] for k in ("loss", "reward", "eval_reward", "kl", "lr", "tokens_per_s") if k in row}
         if self.bar is not None and not self.bar.disable:
             self.bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items()}, refresh=False)
         else:

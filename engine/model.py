@@ -12,7 +12,7 @@ import torch
 from .config import ModelConfig
 
 
-def hf_config(m: ModelConfig, tokenizer=None):
+def make_hf_config(m: ModelConfig, tokenizer=None):
     """A transformers config for the recipe's model section."""
     from transformers import AutoConfig
 
@@ -40,11 +40,13 @@ def hf_config(m: ModelConfig, tokenizer=None):
     raise ValueError(f"unknown arch {m.arch}")
 
 
-def build_model(m: ModelConfig, ds_config: dict, tokenizer=None, dtype: torch.dtype = torch.float32):
+def build_model(m: ModelConfig, ds_config: dict, tokenizer=None, dtype: torch.dtype = torch.float32,
+                hf_config=None):
     """Construct (or load, with model.init_from) the model, partitioned from birth under ZeRO-3.
 
     `ds_config` must stay the config later passed to deepspeed.initialize: transformers reads the ZeRO
-    stage from it to decide whether to build under zero.Init.
+    stage from it to decide whether to build under zero.Init. `hf_config` overrides the recipe's model
+    section (e.g. to build a twin of an existing model).
     """
     import torch._dynamo  # noqa: F401  (importing it inside zero.Init fails)
     import transformers.generation.utils  # noqa: F401
@@ -55,7 +57,7 @@ def build_model(m: ModelConfig, ds_config: dict, tokenizer=None, dtype: torch.dt
     if m.init_from:
         model = AutoModelForCausalLM.from_pretrained(m.init_from, dtype=dtype)
     else:
-        model = AutoModelForCausalLM.from_config(hf_config(m, tokenizer), dtype=dtype)
+        model = AutoModelForCausalLM.from_config(hf_config or make_hf_config(m, tokenizer), dtype=dtype)
     model._hf_ds_config = keep_alive
     model.config.use_cache = False
     return model

@@ -95,7 +95,7 @@ def fresh_state(run: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine.config import ModelConfig
-    from engine.model import hf_config
+    from engine.model import make_hf_config as hf_config
 
     ckpt = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
     model_section = json.loads((ckpt / "engine_state.json").read_text())["recipe"]["model"]
