@@ -158,17 +158,19 @@ def completions(batch, tok) -> list[str]:
                             skip_special_tokens=True)
 
 
-def evaluate(rollout, evals, rewards, tok, world: World, device, max_new_tokens: int) -> float:
-    """Mean total reward of greedy completions of the held-out prompts (each rank scores its share)."""
+def evaluate(rollout, evals, rewards, tok, world: World, device, max_new_tokens: int) -> dict:
+    """Mean rewards (total and each) of greedy completions of the held-out prompts; each rank scores its share."""
     mine = evals[world.rank::world.size]
-    total = torch.zeros(2, device=device)
+    sums = torch.zeros(2 + len(rewards.labels), device=device)  # total, each reward, count
     if mine:
         batch = rollout.generate(left_pad([r["prompt"] for r in mine], tok, device),
                                  SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0))
         scores = rewards.score([r["prompt"] for r in mine], completions(batch, tok), [r["answer"] for r in mine])
-        total += torch.tensor([float(scores.total.sum()), len(mine)], device=device)
-    dist.all_reduce(total)
-    return (total[0] / total[1]).item()
+        sums += torch.tensor([float(scores.total.sum())] + [float(scores.per_reward[k].sum()) for k in rewards.labels]
+                             + [len(mine)], device=device)
+    dist.all_reduce(sums)
+    means = (sums[:-1] / sums[-1]).tolist()
+    return {"eval_reward": means[0], **{f"eval_reward_{k}": v for k, v in zip(rewards.labels, means[1:])}}
 
 
 def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | None, world: World) -> list[dict]:
@@ -195,7 +197,7 @@ def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | No
     rows = []
     if evals:
         rollout.sync_weights(step)
-        row = {"step": step, "eval_reward": evaluate(rollout, evals, rewards, tok, world, device, g.max_new_tokens)}
+        row = {"step": step, **evaluate(rollout, evals, rewards, tok, world, device, g.max_new_tokens)}
         rollout.shutdown()
         metrics.log(row)
         rows.append(row)
@@ -259,7 +261,7 @@ def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | No
             row[f"reward_{label}_failures"] = _sum_all(float(n))
         if evals and (step % g.eval_every == 0 or step == recipe.train.max_steps):
             rollout.sync_weights(step)
-            row["eval_reward"] = evaluate(rollout, evals, rewards, tok, world, device, g.max_new_tokens)
+            row.update(evaluate(rollout, evals, rewards, tok, world, device, g.max_new_tokens))
             rollout.shutdown()
         metrics.log(row)
         rows.append(row)

@@ -10,7 +10,7 @@ def last_loads(tmp_path, rate: float) -> float:
     d = tmp_path / f"rate{rate}"
     d.mkdir()
     (d / "recipe.yaml").write_text(TINY.replace("balance_rate: 0.01", f"balance_rate: {rate}")
-                                   .replace("max_steps: 200", "max_steps: 80"))
+                                   .replace("max_steps: 600", "max_steps: 80"))
     launch(1, ROOT / "bin" / "pretrain.py", "--deepspeed_config", ZERO3, "--config", d / "recipe.yaml",
            "--run_dir", d / "run", cwd=d)
     rows = read_metrics(d / "run")

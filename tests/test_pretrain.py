@@ -85,7 +85,7 @@ TINY = (RECIPES / "tiny.yaml").read_text()
 def test_bad_input_is_one_clear_line_before_any_work(tmp_path, case, expect):
     ds, args, recipe, world = ZERO3, [], None, 1
     if case == "unknown_key":
-        recipe = TINY.replace("max_steps: 200", "max_step: 200")
+        recipe = TINY.replace("max_steps: 600", "max_step: 600")
     elif case == "wrong_type":
         recipe = TINY.replace("num_layers: 2", "num_layers: two")
     elif case == "ep_not_dividing_experts":

@@ -25,6 +25,6 @@ def test_readme_main_job_trains_the_default(tmp_path):
     assert argv[0] == "deepspeed" and argv[1] == "bin/pretrain.py"
     launch(1, ROOT / argv[1], *argv[2:], "--run_dir", tmp_path / "run", cwd=ROOT)
     rows = read_metrics(tmp_path / "run")
-    assert rows[-1]["step"] == 200
+    assert rows[-1]["step"] == 600
     assert rows[-1]["loss"] < 0.5 * rows[0]["loss"], [r["loss"] for r in rows]
-    assert re.fullmatch(r"step_0*200", (tmp_path / "run" / "checkpoints" / "latest").read_text())
+    assert re.fullmatch(r"step_0*600", (tmp_path / "run" / "checkpoints" / "latest").read_text())

@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""Training throughput benchmark: trains a recipe for N steps under a DS config and prints a table.
+
+    deepspeed --num_gpus 1 bin/bench.py --deepspeed_config ds_configs/zero3.json \
+        --config engine/recipes/deepseek_2b6.yaml --steps 20 --out bench.jsonl [--no_autoep] [--micro_batch 8]
+
+Each run appends one JSON row to --out and prints the table of every row in that file, so a baseline and
+the engine measured one after the other land in one table. Columns:
+  tokens/s/GPU   tokens per second per rank, over the timed steps (after --warmup steps)
+  MFU            model FLOPs per second per GPU / 989 TFLOP/s (H100/H200 dense bf16). Model FLOPs per token =
+                 6 x active non-embedding parameters (every parameter except the input embedding; routed
+                 experts counted at experts_per_token / num_experts) + attention: 3 (fwd+bwd) x layers x
+                 2 x seq_len x heads x (qk_head_dim + v_head_dim) (no causal discount, as in PaLM)
+  fwd/bwd/step   mean milliseconds per optimizer step in forward, backward and optimizer step (timed with
+                 device synchronization between them, so ZeRO-3 prefetch overlap across phases is lost)
+  peak GiB       peak accelerator memory of rank 0 (peak RSS on CPU)
+--no_autoep drops the DS config's expert_parallel section: the same HF model under plain ZeRO-3 with its
+own MoE block (what HF Trainer + DeepSpeed gives). --micro_batch overrides train_micro_batch_size_per_gpu.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from engine.config import ConfigError, load_recipe  # noqa: E402
+from engine.ds_config import read_ds_config, resolve_ds_config  # noqa: E402
+from engine.data import load_tokenizer  # noqa: E402
+from engine.parallel import init_distributed, world_from_env  # noqa: E402
+from engine import pretrain  # noqa: E402
+
+PEAK_TFLOPS = 989.0
+
+
+def model_flops_per_token(engine, cfg, seq_len: int, ep: int) -> tuple[float, float, float]:
+    """(flops per token, total params, active params), counted from the live engine's parameters."""
+    total = active = 0.0
+    E, k = getattr(cfg, "n_routed_experts", None) or cfg.num_experts, cfg.num_experts_per_tok
+    for name, p in engine.module.named_parameters():
+        n = float(getattr(p, "ds_numel", p.numel()))
+        if ".experts." in name:  # routed experts: AutoEP's w1/w2/w3 hold E/ep of them, HF's fused tensors all E
+            n_all = n * ep if ".experts.w" in name else n
+            total += n_all
+            active += n_all * k / E
+            continue
+        total += n
+        if "embed_tokens" not in name:
+            active += n
+    heads = cfg.num_attention_heads
+    qk = getattr(cfg, "qk_head_dim", None) or getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    v = getattr(cfg, "v_head_dim", None) or qk
+    attn = 3 * cfg.num_hidden_layers * 2 * seq_len * heads * (qk + v)
+    return 6 * active + attn, total, active
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--deepspeed_config", required=True)
+    ap.add_argument("--config", default=None, help="recipe YAML (default: the embedded tiny recipe)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--out", default="bench.jsonl")
+    ap.add_argument("--no_autoep", action="store_true")
+    ap.add_argument("--micro_batch", type=int)
+    ap.add_argument("--memory_fraction", type=float, help="cap GPU memory (e.g. 80 GB of an H200: 0.56)")
+    ap.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    world = world_from_env()
+    try:
+        recipe = load_recipe(args.config, {"train.max_steps": args.warmup + args.steps})
+        raw = read_ds_config(args.deepspeed_config)
+        if args.no_autoep:
+            raw.pop("expert_parallel", None)
+        if args.micro_batch:
+            raw["train_micro_batch_size_per_gpu"] = args.micro_batch
+        ds = resolve_ds_config(raw, recipe, world.size, world.local_size)
+        tok = load_tokenizer(recipe.data.tokenizer)
+    except ConfigError as e:
+        if world.rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    init_distributed()
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if args.memory_fraction and acc.device_name() == "cuda":
+        torch.cuda.set_per_process_memory_fraction(args.memory_fraction)
+    engine, data = pretrain.build(recipe, ds, tok, world)
+    micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    ep = (ds.get("expert_parallel") or {}).get("autoep_size", 1)
+    batches = data.micro_batches(micro, world.rank, world.size)
+    times = {"fwd": 0.0, "bwd": 0.0, "step": 0.0}
+    acc.reset_max_memory_allocated()
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            times = {k: 0.0 for k in times}
+            acc.synchronize()
+            t_start = time.perf_counter()
+        for _ in range(accum):
+            _, ids = next(batches)
+            ids = ids.to(engine.device)
+            t0 = time.perf_counter()
+            loss = engine(input_ids=ids, labels=ids).loss
+            acc.synchronize()
+            t1 = time.perf_counter()
+            engine.backward(loss)
+            acc.synchronize()
+            t2 = time.perf_counter()
+            engine.step()
+            acc.synchronize()
+            t3 = time.perf_counter()
+            times["fwd"] += t1 - t0
+            times["bwd"] += t2 - t1
+            times["step"] += t3 - t2
+    elapsed = time.perf_counter() - t_start
+    tokens_per_rank = args.steps * micro * accum * recipe.data.seq_len
+    flops_tok, total, active = model_flops_per_token(engine, engine.module.config, recipe.data.seq_len, ep)
+    tps = tokens_per_rank / elapsed
+    row = {"recipe": Path(args.config or "tiny.yaml").name, "ds_config": Path(args.deepspeed_config).name,
+           "autoep": not args.no_autoep and bool(ds.get("expert_parallel")), "ep": ep, "world": world.size,
+           "micro": micro, "accum": accum, "seq": recipe.data.seq_len, "device": acc.device_name(),
+           "params_b": round(total / 1e9, 3), "active_b": round(active / 1e9, 3),
+           "tokens_per_s_per_gpu": round(tps), "mfu": round(tps * flops_tok / (PEAK_TFLOPS * 1e12), 4),
+           **{f"{k}_ms": round(1000 * v / args.steps, 1) for k, v in times.items()},
+           "peak_gib": round(acc.max_memory_allocated() / 2**30, 2), "loss": round(loss.item(), 4),
+           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    if world.rank == 0:
+        with open(args.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print_table([json.loads(line) for line in open(args.out)])
+    return 0
+
+
+def print_table(rows: list[dict]) -> None:
+    cols = ["recipe", "ds_config", "autoep", "world", "ep", "micro", "seq", "tokens_per_s_per_gpu", "mfu", "fwd_ms",
+            "bwd_ms", "step_ms", "peak_gib"]
+    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols]
+    print(" | ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    print("-+-".join("-" * w for w in widths))
+    for r in rows:
+        print(" | ".join(str(r.get(c, "")).ljust(w) for c, w in zip(cols, widths)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
