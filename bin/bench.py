@@ -124,8 +124,8 @@ def main() -> int:
     row = {"recipe": Path(args.config or "tiny.yaml").name, "ds_config": Path(args.deepspeed_config).name,
            "autoep": not args.no_autoep and bool(ds.get("expert_parallel")), "ep": ep, "world": world.size,
            "micro": micro, "accum": accum, "seq": recipe.data.seq_len, "device": acc.device_name(),
-           "params_b": round(total / 1e9, 3), "active_b": round(active / 1e9, 3),
-           "tokens_per_s_per_gpu": round(tps), "mfu": round(tps * flops_tok / (PEAK_TFLOPS * 1e12), 4),
+           "params_m": round(total / 1e6, 3), "active_m": round(active / 1e6, 3),
+           "tokens_per_s_per_gpu": round(tps), "mfu": float(f"{tps * flops_tok / (PEAK_TFLOPS * 1e12):.4g}"),
            **{f"{k}_ms": round(1000 * v / args.steps, 1) for k, v in times.items()},
            "peak_gib": round(acc.max_memory_allocated() / 2**30, 2), "loss": round(loss.item(), 4),
            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
@@ -137,7 +137,7 @@ def main() -> int:
 
 
 def print_table(rows: list[dict]) -> None:
-    cols = ["recipe", "ds_config", "autoep", "world", "ep", "micro", "seq", "tokens_per_s_per_gpu", "mfu", "fwd_ms",
+    cols = ["recipe", "ds_config", "autoep", "world", "ep", "micro", "seq", "params_m", "active_m", "tokens_per_s_per_gpu", "mfu", "fwd_ms",
             "bwd_ms", "step_ms", "peak_gib"]
     widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols]
     print(" | ".join(c.ljust(w) for c, w in zip(cols, widths)))
