@@ -1,17 +1,29 @@
-"""Checkpoints: DeepSpeed engine state + our client state, in RUN_DIR/checkpoints/<tag>.
+"""Checkpoints: DeepSpeed engine state + our client state, in RUN_DIR/checkpoints/<tag>; crash-safe, exact resume.
 
-Layout:  RUN_DIR/checkpoints/step_00000100/   DeepSpeed's files, plus rng_rank{r}.pt and engine_state.json
+Layout:  RUN_DIR/checkpoints/step_00000100/   DeepSpeed's files, rng_rank{r}.pt, engine_state.json, buffers.pt,
+                                              tokenizer/, and manifest.json (written last: every file and its size)
          RUN_DIR/checkpoints/latest            names the newest complete tag
-`latest` moves only after every rank has finished writing (barrier, then an atomic rename on rank 0), so a
-crash during a save leaves the previous checkpoint the one that resumes.
+         RUN_DIR/checkpoints/universal/<tag>   DeepSpeed's universal form of <tag>, made when resuming on another
+                                              world size or expert-parallel size
+Saving: every rank writes its files; barrier; rank 0 fsyncs them, writes manifest.json, then atomically moves
+`latest`. A crash (kill -9, power cut) at any point before that rename leaves `latest` on the previous tag, and
+the half-written folder is removed by the next save of that tag or by pruning. `--resume` checks the manifest
+(sizes on every rank, zip CRCs of every file on rank 0) before any rank does work.
+Signals: SIGTERM/SIGINT set a flag; at the next step boundary the ranks agree (all-reduce MAX), save, and stop.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
 import shutil
+import signal
+import subprocess
+import sys
+import threading
 import time
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -19,8 +31,12 @@ import torch
 import torch.distributed as dist
 
 from .config import CheckpointConfig, ConfigError, Recipe
+from .ds_config import ep_size
 
 STATE_FILE = "engine_state.json"
+MANIFEST = "manifest.json"
+BUFFERS = "buffers.pt"
+UNIVERSAL = "universal"
 
 
 def ckpt_dir(run_dir: str | Path) -> Path:
@@ -32,7 +48,7 @@ def latest(run_dir: str | Path) -> str | None:
     if not f.is_file():
         return None
     tag = f.read_text().strip()
-    return tag if (ckpt_dir(run_dir) / tag).is_dir() else None
+    return tag if tag and (ckpt_dir(run_dir) / tag).is_dir() else None
 
 
 def tag_for(step: int) -> str:
@@ -40,64 +56,295 @@ def tag_for(step: int) -> str:
 
 
 class Cadence:
-    """When to save: every N steps, every M minutes (agreed across ranks), and at the last step."""
+    """When to save: every N steps, every M minutes, at the last step, and after SIGTERM/SIGINT (then stop).
+
+    The signal handler only sets a flag; `due` all-reduces (MAX) the flags of every rank at each step boundary,
+    so all ranks enter the save together even when only one rank (or only the launcher's first child) got the
+    signal. Call `close()` to restore the previous handlers.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self, c: CheckpointConfig, device: torch.device | str = "cpu"):
         self.c, self.last, self.device = c, time.time(), device
+        self.signal: int = 0
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+                signal.siginterrupt(sig, False)  # restart interrupted system calls (sockets of gloo/NCCL)
 
-    def due(self, step: int, max_steps: int) -> bool:
-        elapsed = time.time() - self.last
-        by_time = torch.tensor(float(self.c.every_minutes > 0 and elapsed >= 60 * self.c.every_minutes),
-                               device=self.device)  # NCCL only moves accelerator tensors
+    def _on_signal(self, signum, frame) -> None:
+        self.signal = self.signal or signum  # acted on at the next step boundary; a second signal changes nothing
+
+    def due(self, step: int, max_steps: int) -> tuple[bool, bool]:
+        """(save now, stop after saving), the same on every rank."""
+        by_time = self.c.every_minutes > 0 and time.time() - self.last >= 60 * self.c.every_minutes
+        flags = torch.tensor([float(by_time), float(self.signal)], device=self.device)  # NCCL: accelerator tensors
         if dist.is_initialized():
-            dist.broadcast(by_time, 0)  # rank 0's clock decides, so all ranks enter the save together
-        due = (self.c.at_end and step == max_steps) or (self.c.every_steps and step % self.c.every_steps == 0) or bool(by_time)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        stop = bool(flags[1])
+        due = ((self.c.at_end and step == max_steps) or (self.c.every_steps and step % self.c.every_steps == 0)
+               or bool(flags[0]) or stop)
         if due:
             self.last = time.time()
-        return bool(due)
+        if stop and not self.signal:
+            self.signal = int(flags[1])
+        return bool(due), stop
+
+    def close(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
 
 def _rng_state() -> dict:
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
 
 
+def _persistent_buffers(module: torch.nn.Module) -> dict:
+    return {f"{prefix}.{name}" if prefix else name: b.detach().cpu().clone()
+            for prefix, m in module.named_modules() for name, b in m._buffers.items()
+            if b is not None and name not in m._non_persistent_buffers_set}
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def _is_zip(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"  # torch.save's format: a zip whose entries carry CRC-32s
+
+
 def save(engine, recipe: Recipe, state: dict, tokenizer=None) -> Path:
     """Save engine + client state under a new tag, then move `latest`; prune to checkpoint.keep_last."""
     root = ckpt_dir(recipe.run_dir)
     tag = tag_for(state["step"])
-    engine.save_checkpoint(str(root), tag=tag, client_state=state, save_latest=False)
     rank = dist.get_rank()
+    if tag == latest(recipe.run_dir):
+        return root / tag  # already saved (e.g. stopped right after resuming from it); never rewrite `latest`'s tag
+    if rank == 0:  # left by a save that crashed (DeepSpeed would mix its files with ours), or a stale conversion
+        shutil.rmtree(root / tag, ignore_errors=True)
+        shutil.rmtree(root / UNIVERSAL / tag, ignore_errors=True)
+    dist.barrier()
+    engine.save_checkpoint(str(root), tag=tag, client_state=state, save_latest=False)
     torch.save(_rng_state(), root / tag / f"rng_rank{rank}.pt")
     if rank == 0:
-        (root / tag / STATE_FILE).write_text(json.dumps({**state, "world_size": dist.get_world_size(),
-                                                         "recipe": recipe.to_dict()}, indent=1))
+        torch.save(_persistent_buffers(engine.module), root / tag / BUFFERS)
+        (root / tag / STATE_FILE).write_text(json.dumps({
+            **state, "world_size": dist.get_world_size(), "micro_batch": engine.train_micro_batch_size_per_gpu(),
+            "autoep_size": ep_size(engine.config), "recipe": recipe.to_dict()}, indent=1))
         if tokenizer is not None:
             tokenizer.save_pretrained(root / tag / "tokenizer")
     dist.barrier()  # every rank has written its shards
     if rank == 0:
-        tmp = root / "latest.tmp"
-        tmp.write_text(tag)
-        os.replace(tmp, root / "latest")
-        tags = sorted(p.name for p in root.glob("step_*") if p.is_dir())
-        for old in tags[: -recipe.checkpoint.keep_last]:
-            shutil.rmtree(root / old, ignore_errors=True)
+        files = _files(root / tag)
+        for f in files:
+            _fsync(f)  # on disk before `latest` can name them (a power cut must not leave a named, empty file)
+        manifest = {str(f.relative_to(root / tag)): {"size": f.stat().st_size, "zip": _is_zip(f)} for f in files}
+        _write_atomic(root / tag / MANIFEST, json.dumps({"tag": tag, "files": manifest}, indent=1))
+        _write_atomic(root / "latest", tag)
+        prune(root, recipe.checkpoint.keep_last)
     dist.barrier()
     return root / tag
 
 
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync(path.parent)
+
+
+def prune(root: Path, keep_last: int) -> None:
+    """Keep the newest `keep_last` complete tags (and `latest`'s); remove older ones and half-written ones."""
+    current = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
+    tags = sorted(p.name for p in root.glob("step_*") if p.is_dir())
+    complete = [t for t in tags if (root / t / MANIFEST).is_file()]
+    keep = set(complete[-keep_last:]) | {current}
+    for t in tags:
+        if t not in keep:
+            shutil.rmtree(root / t, ignore_errors=True)
+    for p in (root / UNIVERSAL).glob("*"):  # universal copies of tags that are gone, or half-converted ones
+        if p.is_dir() and p.name not in keep:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------- resume
+
+
+def resume_position(saved: dict, micro: int, world: int) -> int | None:
+    """The data position (micro-batches per rank) after `saved`'s sequences, for this micro-batch and world size.
+
+    A position counts micro-batches of `micro x world` global sequences, so it carries over to another shape as
+    long as the sequences consumed fill whole micro-batches of the new shape; None when they do not.
+    """
+    consumed = saved["position"] * saved.get("micro_batch", micro) * saved.get("world_size", world)
+    return consumed // (micro * world) if consumed % (micro * world) == 0 else None
+
+
+def check_resume(recipe: Recipe, ds: dict, world_size: int, rank: int = 0) -> tuple[list[str], bool]:
+    """Preflight for --resume. Returns (problems, universal): universal means the checkpoint was saved with
+    another world size or expert-parallel size and must be loaded through DeepSpeed's universal format.
+
+    Every rank checks that each file in the manifest exists with its recorded size; rank 0 also verifies the
+    CRC-32 of every zip entry (torch.load does not, and silently loads flipped bits).
+    """
+    root = ckpt_dir(recipe.run_dir)
+    tag = latest(recipe.run_dir)
+    if tag is None:
+        return [f"--resume: no checkpoint in {root} (run without --resume to start fresh)"], False
+    where = root / tag
+    older = sorted(p.parent.name for p in root.glob(f"step_*/{MANIFEST}") if p.parent.name < tag)
+    fix = (f"restore it, or resume from an older checkpoint by writing its tag ({older[-1]}) into {root / 'latest'}"
+           if older else "restore it, or start a fresh run_dir")
+    damage = _damage(where, verify_crc=rank == 0)
+    if damage:
+        return [f"--resume: checkpoint {where} is damaged ({damage}); {fix}"], False
+    try:
+        saved = json.loads((where / STATE_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        return [f"--resume: checkpoint {where} has no readable {STATE_FILE} ({type(e).__name__}); {fix}"], False
+    problems = []
+    ours = dataclasses.asdict(recipe.model)
+    theirs = saved.get("recipe", {}).get("model", {})
+    diff = [f"model.{k}: {theirs.get(k)!r} in the checkpoint, {v!r} in the recipe"
+            for k, v in ours.items() if k != "init_from" and theirs.get(k) != v]
+    if diff:
+        problems.append(f"--resume: checkpoint {where} holds a different model ({', '.join(diff)}); resume with the "
+                        f"recipe it was trained with (its {STATE_FILE} holds it) or use another run_dir")
+    micro = ds.get("train_micro_batch_size_per_gpu", 1)
+    universal = bool((ds.get("checkpoint") or {}).get("load_universal"))
+    if saved.get("world_size", world_size) != world_size or saved.get("autoep_size", ep_size(ds)) != ep_size(ds):
+        universal = True
+        if "pipeline" in ds:
+            problems.append(f"--resume: checkpoint {where} was saved on {saved['world_size']} ranks; pipeline "
+                            f"mode resumes only on the same world size ({world_size} now)")
+    if resume_position(saved, micro, world_size) is None:
+        problems.append(f"--resume: checkpoint {where} consumed {saved['position']} micro-batches of "
+                        f"{saved['micro_batch']} x {saved['world_size']} ranks, which is not a whole number of "
+                        f"micro-batches of {micro} x {world_size} ranks; pick train_micro_batch_size_per_gpu so "
+                        f"that they divide evenly")
+    return problems, universal
+
+
+def _damage(folder: Path, verify_crc: bool) -> str | None:
+    """What is wrong with a saved tag folder, or None."""
+    mf = folder / MANIFEST
+    if mf.is_file():
+        try:
+            files = json.loads(mf.read_text())["files"]
+        except (OSError, ValueError, KeyError) as e:
+            return f"{MANIFEST} is unreadable: {type(e).__name__}"
+    else:  # saved before manifests existed: check what is there
+        files = {str(p.relative_to(folder)): {"size": p.stat().st_size, "zip": p.suffix == ".pt"}
+                 for p in _files(folder)}
+    for name, info in files.items():
+        f = folder / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != info["size"]:
+            return f"{name} has {f.stat().st_size} bytes, {info['size']} when saved"
+        if info.get("zip"):
+            try:
+                with zipfile.ZipFile(f) as z:
+                    bad = z.testzip() if verify_crc else None
+            except (zipfile.BadZipFile, OSError) as e:
+                return f"{name} is not a readable torch file: {e}"
+            if bad is not None:
+                return f"{name} fails its CRC check in entry {bad}"
+    return None
+
+
+def to_universal(run_dir: str | Path) -> Path:
+    """Convert `latest` to DeepSpeed's universal format (once; rank 0 only) into checkpoints/universal/<tag>."""
+    root = ckpt_dir(run_dir)
+    tag = latest(run_dir)
+    out = root / UNIVERSAL / tag
+    if out.is_dir():
+        return out
+    tmp = root / UNIVERSAL / f"{tag}.converting"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    print(f"resume: converting {root / tag} to DeepSpeed's universal format in {out}", flush=True)
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(root / tag),
+           "--output_folder", str(tmp), "--inject_missing_state", "--num_extract_workers", "2"]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        last = (p.stderr.strip() or p.stdout.strip() or "no output").splitlines()[-1]
+        raise ConfigError(f"--resume: DeepSpeed could not convert {root / tag} to its universal format ({last}); "
+                          f"resume on the world size it was saved with")
+    os.replace(tmp, out)
+    _write_atomic(root / UNIVERSAL / "latest_universal", tag)  # ds_to_universal named the temporary folder
+    return out
+
+
 def load(engine, run_dir: str | Path) -> dict:
-    """Restore engine state and this rank's RNG from `latest`; returns the client state."""
+    """Restore engine state, this rank's RNG and the routing biases from `latest`; returns the client state."""
     root = ckpt_dir(run_dir)
     tag = latest(run_dir)
     if tag is None:
         raise ConfigError(f"--resume: no checkpoint in {root}")
-    path, client = engine.load_checkpoint(str(root), tag=tag)
+    universal = engine.load_universal_checkpoint()
+    load_dir = root / UNIVERSAL if universal else root
+    path, client = engine.load_checkpoint(str(load_dir), tag=tag)
     if path is None:
-        raise ConfigError(f"--resume: DeepSpeed could not load {root / tag}")
+        raise ConfigError(f"--resume: DeepSpeed could not load {load_dir / tag}")
+    if universal:
+        # DeepSpeed's universal load restores parameters and optimizer state but not the module's buffers
+        # (it skips load_module_state_dict), so the routing biases (e_score_correction_bias) come from our file.
+        # The non-universal ZeRO-3 load does restore them from its model_states files.
+        buffers = torch.load(root / tag / BUFFERS)
+        own = dict(engine.module.named_buffers())
+        with torch.no_grad():
+            for name, value in buffers.items():
+                own[name].copy_(value)
+    _rebuild_cpu_adam_products(engine)
     rng_file = root / tag / f"rng_rank{dist.get_rank()}.pt"
-    if rng_file.is_file():
+    if rng_file.is_file():  # a rank beyond the saved world size keeps its seeded RNG
         rng = torch.load(rng_file, weights_only=False)  # our own file: python/numpy RNG states are not tensors
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
         torch.set_rng_state(rng["torch"])
-    return {k: client[k] for k in ("step", "position", "tokens")}
+    saved = json.loads((root / tag / STATE_FILE).read_text())
+    position = resume_position(saved, engine.train_micro_batch_size_per_gpu(), dist.get_world_size())
+    return {"step": client["step"], "position": position, "tokens": client["tokens"]}
+
+
+def _rebuild_cpu_adam_products(engine) -> None:
+    """Make a resumed run bitwise equal to an uninterrupted one where Adam runs on the CPU.
+
+    DeepSpeed's CPU Adam kernels (FusedAdam on the CPU accelerator, DeepSpeedCPUAdam under ZeRO-Offload) keep
+    beta1^t and beta2^t as running products in a C++ object; in a new process the first step computes them with
+    pow() instead, which differs in the last bit and moves every later loss by ~1e-7. Replaying steps 1..t on a
+    one-element dummy rebuilds the same products. (CUDA FusedAdam computes pow() at every step: nothing to do.)
+    """
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+    opt = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    steps = max((int(s.get("step", 0)) for s in opt.state.values()), default=0) if opt is not None else 0
+    if not steps or not opt.param_groups:
+        return
+    g = opt.param_groups[0]
+    (b1, b2), eps = g["betas"], g["eps"]
+    dummy = [torch.zeros(1) for _ in range(4)]  # param, grad, exp_avg, exp_avg_sq; lr 0
+    if isinstance(opt, DeepSpeedCPUAdam):
+        for t in range(1, steps + 1):
+            opt.ds_opt_adam.adam_update(opt.opt_id, t, 0.0, b1, b2, eps, 0.0, True, *dummy)
+    elif isinstance(opt, FusedAdam) and torch.device(engine.device).type == "cpu":
+        for t in range(1, steps + 1):  # one process-wide kernel object per adam_w_mode
+            opt.multi_tensor_adam(2048 * 32, opt._dummy_overflow_buf, [[d] for d in dummy], 0.0, b1, b2, eps, t,
+                                  opt.adam_w_mode, 1, 0.0)

@@ -1,4 +1,9 @@
-"""Pretraining: preflight checks, then one short loop (batch -> forward -> backward -> step -> metrics)."""
+"""Pretraining: preflight checks, then one short loop (batch -> forward -> backward -> step -> metrics).
+
+SIGTERM/SIGINT: the ranks finish the current step, save a checkpoint and exit 0 (the deepspeed launcher itself
+then exits 1, its own code after forwarding a signal). `--resume` continues from `latest`, exactly; on another
+world size or expert-parallel size it converts `latest` to DeepSpeed's universal format first (rank 0, once).
+"""
 from __future__ import annotations
 
 import argparse
@@ -23,7 +28,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--config", default=None, help="recipe YAML (default: the embedded tiny recipe)")
     ap.add_argument("--max_steps", type=int, help="override train.max_steps")
     ap.add_argument("--run_dir", help="override run_dir (metrics.jsonl and checkpoints go here)")
-    ap.add_argument("--resume", action="store_true", help="continue from RUN_DIR/checkpoints/latest")
+    ap.add_argument("--resume", action="store_true", help="continue from RUN_DIR/checkpoints/latest, on any world size "
+                    "(another world or expert-parallel size goes through DeepSpeed's universal checkpoint)")
     ap.add_argument("--data", help="override data.path: a local text/jsonl/parquet file or folder, or a hub name")
     ap.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)  # set by the launcher
     return ap.parse_args(argv)
@@ -56,10 +62,17 @@ def preflight(args: argparse.Namespace, world: World):
             data_files(recipe.data.path)
         except ConfigError as e:
             problems.append(str(e))
-    if recipe.resume and checkpoint.latest(recipe.run_dir) is None:
-        problems.append(f"--resume: no checkpoint in {recipe.run_dir}/checkpoints (run without --resume to start fresh)")
+    if recipe.resume:
+        found, universal = checkpoint.check_resume(recipe, ds, world.size, world.rank)
+        problems += found
+        if universal:
+            # Saved on another world size or expert-parallel size: load DeepSpeed's universal form. This sets the
+            # resolved config in memory (derived, like the "auto" values); the user's JSON file is not rewritten.
+            ds.setdefault("checkpoint", {})["load_universal"] = True
     if problems:
         raise ConfigError("; ".join(problems))
+    if recipe.resume and ds.get("checkpoint", {}).get("load_universal") and world.rank == 0:
+        checkpoint.to_universal(recipe.run_dir)  # the other ranks wait for rank 0 in init_distributed
     return recipe, ds, tok
 
 
@@ -81,8 +94,8 @@ def train(recipe: Recipe, engine, data, tok, world: World) -> list[dict]:
     batches = data.micro_batches(micro, world.rank, world.size, start=position)
     metrics = Metrics(recipe.run_dir, recipe.train.max_steps, step, engine.monitor)
     device = engine.device
-    saver = checkpoint.Cadence(recipe.checkpoint, device)
-    rows, t0, loss_sum = [], time.time(), torch.zeros((), device=device)
+    saver = checkpoint.Cadence(recipe.checkpoint, device)  # also: SIGTERM/SIGINT -> save at the next step, stop
+    rows, t0, loss_sum, logged = [], time.time(), torch.zeros((), device=device), step
     while step < recipe.train.max_steps:
         for _ in range(accum):
             position, ids = next(batches)
@@ -94,8 +107,9 @@ def train(recipe: Recipe, engine, data, tok, world: World) -> list[dict]:
         step, tokens = step + 1, tokens + tokens_per_step
         balance.after_step()
         metrics.advance()
-        if step % recipe.train.log_every == 0 or step == recipe.train.max_steps:
-            n = recipe.train.log_every if step % recipe.train.log_every == 0 else step % recipe.train.log_every
+        save, stop = saver.due(step, recipe.train.max_steps)
+        if step % recipe.train.log_every == 0 or step == recipe.train.max_steps or stop:
+            n = step - logged  # steps since the last row (fewer after a resume or a stop)
             torch.distributed.all_reduce(loss_sum)
             elapsed = time.time() - t0
             row = {"step": step, "loss": loss_sum.item() / n / world.size, "lr": engine.get_lr()[0],
@@ -105,9 +119,13 @@ def train(recipe: Recipe, engine, data, tok, world: World) -> list[dict]:
                    **balance.load_stats()}
             metrics.log(row)
             rows.append(row)
-            t0, loss_sum = time.time(), torch.zeros((), device=device)
-        if saver.due(step, recipe.train.max_steps):
+            t0, loss_sum, logged = time.time(), torch.zeros((), device=device), step
+        if save:
             checkpoint.save(engine, recipe, {"step": step, "position": position, "tokens": tokens}, tok)
+        if stop:
+            print0(f"stopped by signal {saver.signal} after step {step}; saved, continue with --resume")
+            break
+    saver.close()
     metrics.close()
     return rows
 
@@ -131,5 +149,6 @@ def main(argv=None) -> int:
     init_distributed()
     engine, data = build(recipe, ds, tok, world)
     rows = train(recipe, engine, data, tok, world)
-    print0(f"done: {rows[-1]['step']} steps, final loss {rows[-1]['loss']:.4f}, run_dir {recipe.run_dir}")
+    if rows:  # none when resumed at max_steps
+        print0(f"done: {rows[-1]['step']} steps, final loss {rows[-1]['loss']:.4f}, run_dir {recipe.run_dir}")
     return 0

@@ -1,0 +1,326 @@
+"""Crash-safe checkpoints and exact resume, through the real launcher on 2 CPU ranks.
+
+fp32 (the DS config without "bf16"), one row per step, so a resumed run can be compared with an uninterrupted one
+bitwise: kill -9 mid-run, kill -9 during a save, SIGTERM to the launcher, Ctrl-C to the whole process group, resume
+on 1 rank from a 2-rank checkpoint (DeepSpeed's universal checkpoint), keep_last, and damaged or mismatched
+checkpoints refused with one line before any work.
+"""
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from conftest import DEEPSPEED, ROOT, env, free_port, read_metrics, write_ds
+
+HOOKS = ROOT / "tests" / "scripts" / "pretrain_hooks.py"
+PRETRAIN = ROOT / "bin" / "pretrain.py"
+STEPS = 8
+RECIPE = f"""
+model: {{arch: deepseek_v3, hidden_size: 64, num_layers: 2, num_heads: 4, intermediate_size: 128,
+        moe_intermediate_size: 64, num_experts: 8, experts_per_token: 2, num_shared_experts: 1,
+        vocab_size: 512, max_position_embeddings: 512}}
+data: {{seq_len: 32}}
+train: {{max_steps: {STEPS}, warmup_steps: 2, log_every: 1, balance_rate: 0.01}}
+checkpoint: {{every_steps: 2, keep_last: 2}}
+"""
+
+
+def tag(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("resume")
+    (d / "recipe.yaml").write_text(RECIPE)
+    write_ds(d / "ds2.json", drop=("bf16",), train_micro_batch_size_per_gpu=1)  # 2 ranks x 1 ...
+    write_ds(d / "ds1.json", drop=("bf16",), train_micro_batch_size_per_gpu=2)  # ... = 1 rank x 2 sequences
+    return d
+
+
+def start(base: Path, run: str, ranks: int = 2, *args, **hooks) -> subprocess.Popen:
+    """tests/scripts/pretrain_hooks.py through the launcher, in its own process group (a test can signal or kill
+    all of it); the i-th launch on RUN logs to RUN.i.log and its hooks report to RUN/hook{i}/."""
+    i = len(list(base.glob(f"{run}.*.log")))
+    hooks.setdefault("HOOK_OUT", base / run / f"hook{i}")
+    log = open(base / f"{run}.{i}.log", "w")
+    cmd = [DEEPSPEED, "--master_port", str(free_port()), "--num_gpus", str(ranks), str(HOOKS),
+           "--deepspeed_config", base / f"ds{ranks}.json", "--config", base / "recipe.yaml", "--run_dir", base / run,
+           *args]
+    p = subprocess.Popen(list(map(str, cmd)), cwd=base, env=env(**{k: str(v) for k, v in hooks.items()}),
+                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    p.log, p.hook_out = Path(log.name), Path(hooks["HOOK_OUT"])
+    return p
+
+
+def finish(p: subprocess.Popen, timeout: int = 300) -> int:
+    try:
+        return p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        raise AssertionError(f"timed out\n{p.log.read_text()[-4000:]}") from None
+
+
+def wait_until(p: subprocess.Popen, ready, timeout: int = 300) -> None:
+    end = time.time() + timeout
+    while not ready():
+        if p.poll() is not None or time.time() > end:
+            os.killpg(p.pid, signal.SIGKILL)
+            raise AssertionError(f"run ended (rc {p.returncode}) or timed out first\n{p.log.read_text()[-4000:]}")
+        time.sleep(0.05)
+
+
+def latest(run: Path) -> str | None:
+    f = run / "checkpoints" / "latest"
+    return f.read_text() if f.is_file() else None
+
+
+def logged(run: Path) -> int:
+    f = run / "metrics.jsonl"
+    return len(f.read_text().splitlines()) if f.is_file() else 0
+
+
+def hook(p: subprocess.Popen, rank: int) -> dict:
+    return json.loads((p.hook_out / f"rank{rank}.json").read_text())
+
+
+def tree_digest(folder: Path) -> dict:
+    return {str(f.relative_to(folder)): hashlib.md5(f.read_bytes()).hexdigest()
+            for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+@pytest.fixture(scope="module")
+def reference(base) -> dict[int, dict]:
+    """An uninterrupted 2-rank run: step -> its metrics row."""
+    p = start(base, "ref")
+    assert finish(p) == 0, p.log.read_text()[-4000:]
+    rows = read_metrics(base / "ref")
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    return {r["step"]: r for r in rows}
+
+
+@pytest.fixture(scope="module")
+def crashes(base) -> dict:
+    """kill -9 mid-run after step 4's checkpoint; resume and die (SIGKILL to every process) inside step 6's save,
+    after DeepSpeed wrote its files and before `latest` moved; resume again to the end."""
+    run, seen = base / "crash", {}
+    p = start(base, "crash", HOOK_STEP_SLEEP=0.5)
+    wait_until(p, lambda: latest(run) == tag(4))
+    os.killpg(p.pid, signal.SIGKILL)  # the launcher and both ranks, mid-run
+    assert p.wait() == -signal.SIGKILL
+    seen["killed_at"] = max(r["step"] for r in read_metrics(run))
+    ds_file = torch.load(run / "checkpoints" / tag(4) / "zero_pp_rank_1_mp_rank_00_model_states.pt", weights_only=False)
+    seen["bias_in_ds_file"] = {n: t.tolist() for n, t in ds_file["module"].items() if n.endswith("correction_bias")}
+
+    p = start(base, "crash", 2, "--resume", HOOK_DIE_IN_SAVE=6)
+    assert finish(p) == -signal.SIGKILL, p.log.read_text()[-4000:]
+    seen["after_save_crash"] = {"latest": latest(run), "step6": sorted(f.name for f in (run / "checkpoints" / tag(6))
+                                                                       .iterdir())}
+
+    p = start(base, "crash", 2, "--resume")
+    assert finish(p) == 0, p.log.read_text()[-4000:]
+    seen["final"] = [hook(p, r) for r in (0, 1)]
+    return seen
+
+
+def test_resume_after_kill9_is_bitwise_equal_to_an_uninterrupted_run(base, reference, crashes):
+    rows = read_metrics(base / "crash")
+    assert 4 <= crashes["killed_at"] < STEPS  # killed mid-run, after step 4's checkpoint
+    assert crashes["final"][0]["resumed"] == {"step": 4, "position": 4, "tokens": 4 * 2 * 32}
+    # Every row ever logged (the killed run, the run that died in a save, the final one) equals the uninterrupted
+    # run's row at that step: loss (RNG, data position, parameters, optimizer, routing biases), lr (scheduler).
+    assert {r["step"] for r in rows} == set(range(1, STEPS + 1))
+    assert [r["step"] for r in rows[-4:]] == [5, 6, 7, 8]
+    for r in rows:
+        ref = reference[r["step"]]
+        assert (r["loss"], r["lr"], r["tokens"]) == (ref["loss"], ref["lr"], ref["tokens"]), (r, ref)
+
+
+def test_routing_bias_round_trips_through_the_zero3_checkpoint(crashes):
+    """After --resume every rank's e_score_correction_bias equals the buffer in DeepSpeed's own model_states file
+    (DeepSpeed's ZeRO-3 load restores module buffers), and balancing had moved it away from zero."""
+    saved = crashes["bias_in_ds_file"]
+    assert len(saved) == 2 and all(any(v != 0 for v in b) for b in saved.values())
+    for info in crashes["final"]:
+        assert info["bias_after_resume"] == saved
+
+
+def test_kill_during_a_save_leaves_the_previous_checkpoint(base, crashes):
+    after = crashes["after_save_crash"]
+    assert after["latest"] == tag(4)  # `latest` never named the half-written tag
+    assert "manifest.json" not in after["step6"] and any(f.endswith("_model_states.pt") for f in after["step6"])
+    # The next --resume loaded step 4 (see the rows above) and rewrote step 6 completely.
+    ck = base / "crash" / "checkpoints"
+    assert latest(base / "crash") == tag(STEPS)
+    assert (ck / tag(6) / "manifest.json").is_file()
+    assert sorted(p.name for p in ck.glob("step_*")) == [tag(6), tag(STEPS)]
+
+
+def test_keep_last_prunes_old_checkpoints(base, reference):
+    ck = base / "ref" / "checkpoints"
+    # every_steps 2 saved steps 2, 4, 6 and 8; keep_last 2 keeps the two newest, each complete.
+    assert sorted(p.name for p in ck.glob("step_*")) == [tag(6), tag(8)]
+    assert latest(base / "ref") == tag(8)
+    for t in (6, 8):
+        manifest = json.loads((ck / tag(t) / "manifest.json").read_text())["files"]
+        assert {"engine_state.json", "buffers.pt", "rng_rank0.pt", "rng_rank1.pt",
+                "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= manifest.keys()
+
+
+@pytest.fixture(scope="module")
+def stopped(base) -> dict:
+    """SIGTERM to the launcher (deepspeed.launcher.launch) mid-run: it forwards SIGTERM to rank 0 only (then waits
+    up to 30 s before rank 1); rank 1 learns through the all-reduce at the step boundary."""
+    run = base / "stop"
+    p = start(base, "stop", HOOK_STEP_SLEEP=1)
+    wait_until(p, lambda: logged(run) >= 2)
+    launcher = next(c for c in psutil.Process(p.pid).children() if "deepspeed.launcher.launch" in " ".join(c.cmdline()))
+    launcher.send_signal(signal.SIGTERM)
+    rc = finish(p)
+    buffers = torch.load(run / "checkpoints" / latest(run) / "buffers.pt")  # before later saves prune it
+    return {"rc": rc, "ranks": [hook(p, r) for r in (0, 1)], "rows": read_metrics(run), "latest": latest(run),
+            "log": p.log.read_text(), "bias": {n: b.tolist() for n, b in buffers.items()}}
+
+
+def test_sigterm_to_the_launcher_saves_at_the_next_step_and_exits(stopped):
+    assert [r["rc"] for r in stopped["ranks"]] == [0, 0], stopped["log"][-3000:]
+    assert stopped["rc"] == 1  # the deepspeed launcher's own code once it has forwarded a signal
+    last = stopped["rows"][-1]["step"]
+    assert 2 <= last < STEPS
+    assert stopped["latest"] == tag(last)  # the step at which the signal was seen, saved and named
+    assert f"stopped by signal {int(signal.SIGTERM)} after step {last}" in stopped["log"]
+
+
+def test_ctrl_c_to_the_process_group_saves_and_exits(base):
+    """Ctrl-C in a terminal: SIGINT reaches the runner, the launcher and every rank at once."""
+    run = base / "ctrl_c"
+    p = start(base, "ctrl_c", HOOK_STEP_SLEEP=1)
+    wait_until(p, lambda: logged(run) >= 1)
+    procs = psutil.Process(p.pid).children(recursive=True)
+    os.killpg(p.pid, signal.SIGINT)
+    finish(p)  # the runner dies at once (KeyboardInterrupt); the ranks are still saving: wait for them
+    psutil.wait_procs(procs, timeout=120)
+    assert [hook(p, r)["rc"] for r in (0, 1)] == [0, 0], p.log.read_text()[-3000:]
+    last = read_metrics(run)[-1]["step"]
+    assert last < STEPS and latest(run) == tag(last)
+
+
+def test_resume_on_one_rank_from_a_two_rank_checkpoint(base, reference, stopped):
+    """--resume on another world size converts `latest` to DeepSpeed's universal format and loads it: 1 rank x
+    micro-batch 2 continues the 2-rank x micro-batch 1 run (the same global batches) where it stopped."""
+    k = stopped["rows"][-1]["step"]
+    p = start(base, "stop", 1, "--resume")
+    assert finish(p) == 0, p.log.read_text()[-4000:]
+    info = hook(p, 0)
+    # k micro-batches of 1 x 2 ranks = k micro-batches of 2 x 1 rank
+    assert info["resumed"] == {"step": k, "position": k, "tokens": k * 2 * 32}
+    assert f"converting {base / 'stop' / 'checkpoints' / tag(k)} to DeepSpeed's universal format" in p.log.read_text()
+    assert not (base / "stop" / "checkpoints" / "universal" / tag(k)).exists()  # pruned with its tag
+    # Routing biases come back although DeepSpeed's universal load skips module buffers.
+    assert info["bias_after_resume"] == stopped["bias"] and any(any(b) for b in stopped["bias"].values())
+    rows = [r for r in read_metrics(base / "stop") if r["world_size"] == 1]
+    assert [r["step"] for r in rows] == list(range(k + 1, STEPS + 1))
+    for r in rows:
+        ref = reference[r["step"]]
+        assert r["lr"] == ref["lr"] and r["tokens"] == ref["tokens"]
+        # fp32, the same global batch, summed in another order (one rank's micro-batch of 2 vs a 2-rank
+        # reduce-scatter): measured 1 ulp (4.8e-7, 9e-8 relative) at each of steps 4-8 after stopping at 3.
+        # Without the routing biases (DeepSpeed's universal load drops them) the first loss moved by 6e-4 relative.
+        assert abs(r["loss"] - ref["loss"]) < 5e-6 * ref["loss"], (r, ref)
+
+
+def resume_rank0(base: Path, run: Path, recipe: Path | None = None) -> subprocess.CompletedProcess:
+    """bin/pretrain.py --resume as the launcher would start rank 0 of 2 ranks (preflight stops it alone)."""
+    cmd = [sys.executable, PRETRAIN, "--deepspeed_config", base / "ds2.json", "--config", recipe or base / "recipe.yaml",
+           "--run_dir", run, "--resume"]
+    e = env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_SIZE="2")
+    return subprocess.run(list(map(str, cmd)), cwd=base, env=e, capture_output=True, text=True, timeout=300)
+
+
+def damage(run: Path, case: str, tmp_path: Path) -> Path | None:
+    """Break a copy of a finished run the way `case` says; returns a recipe to use, if another one."""
+    last = run / "checkpoints" / tag(STEPS)
+    if case == "no_checkpoint":
+        shutil.rmtree(run / "checkpoints")
+    elif case == "truncated":
+        f = last / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    elif case == "flipped_byte":
+        f = last / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0xFF  # same size; torch.load would not notice
+        f.write_bytes(bytes(data))
+    elif case == "missing_file":
+        (last / "rng_rank1.pt").unlink()
+    elif case == "other_model":
+        recipe = tmp_path / "other.yaml"
+        recipe.write_text(RECIPE.replace("hidden_size: 64", "hidden_size: 96"))
+        return recipe
+    return None
+
+
+@pytest.mark.parametrize("case, expect", [
+    ("no_checkpoint", "--resume: no checkpoint in"),
+    ("other_model", "holds a different model (model.hidden_size: 64 in the checkpoint, 96 in the recipe)"),
+    ("truncated", "zero_pp_rank_1_mp_rank_00_optim_states.pt has"),
+    ("flipped_byte", "zero_pp_rank_0_mp_rank_00_optim_states.pt fails its CRC check"),
+    ("missing_file", "rng_rank1.pt is missing"),
+])
+def test_bad_resume_is_one_clear_line_before_any_work(base, reference, tmp_path, case, expect):
+    run = tmp_path / "run"
+    shutil.copytree(base / "ref", run)
+    recipe = damage(run, case, tmp_path)
+    before = tree_digest(run)
+    p = resume_rank0(base, run, recipe)
+    assert p.returncode == 2, p.stderr[-3000:]
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], p.stderr[-3000:]
+    if case in ("truncated", "flipped_byte", "missing_file"):  # and says how to go on from the older checkpoint
+        assert f"writing its tag ({tag(6)}) into {run / 'checkpoints' / 'latest'}" in lines[0]
+    assert tree_digest(run) == before  # nothing written, nothing removed
+
+
+def test_damaged_checkpoint_through_the_launcher(base, reference, tmp_path):
+    """Both ranks stop in preflight; the launcher passes on exit code 2."""
+    run = tmp_path / "run"
+    shutil.copytree(base / "ref", run)
+    damage(run, "truncated", tmp_path)
+    before = tree_digest(run)
+    p = subprocess.run(list(map(str, [DEEPSPEED, "--master_port", free_port(), "--num_gpus", 2, PRETRAIN,
+                                      "--deepspeed_config", base / "ds2.json", "--config", base / "recipe.yaml",
+                                      "--run_dir", run, "--resume"])),
+                       cwd=base, env=env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stdout[-3000:] + p.stderr[-3000:]
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "is damaged" in errors[0] and "Traceback" not in p.stdout + p.stderr
+    assert tree_digest(run) == before
+
+
+def test_cadence_by_steps_time_and_signal():
+    """One process, no launcher: what `due` answers, and that the signal handlers are put back."""
+    from engine.checkpoint import Cadence
+    from engine.config import CheckpointConfig
+
+    before = signal.getsignal(signal.SIGTERM)
+    c = Cadence(CheckpointConfig(every_steps=3, every_minutes=0.01, at_end=True))
+    try:
+        assert c.due(1, 10) == (False, False)
+        assert c.due(3, 10) == (True, False)
+        time.sleep(0.7)  # past every_minutes (0.6 s)
+        assert c.due(4, 10) == (True, False)
+        assert c.due(5, 10) == (False, False)  # the clock restarted at the last save
+        assert c.due(10, 10) == (True, False)  # at_end
+        os.kill(os.getpid(), signal.SIGTERM)  # handled: only a flag
+        assert c.due(7, 10) == (True, True) and c.signal == signal.SIGTERM
+    finally:
+        c.close()
+    assert signal.getsignal(signal.SIGTERM) is before
