@@ -191,7 +191,7 @@ def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | No
     n_prompts = n_seq // g.group_size
     order = np.random.default_rng(recipe.train.seed).permutation(len(prompts))
     metrics = Metrics(recipe.run_dir, recipe.train.max_steps, step, policy.monitor)
-    saver = checkpoint.Cadence(recipe.checkpoint, device)
+    saver = checkpoint.Cadence(recipe.checkpoint, device)  # also: SIGTERM/SIGINT -> save at the next step, stop
     sampling = SamplingConfig(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
                               n_samples_per_prompt=g.group_size)
     rows = []
@@ -265,8 +265,13 @@ def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | No
             rollout.shutdown()
         metrics.log(row)
         rows.append(row)
-        if saver.due(step, recipe.train.max_steps):
+        save, stop = saver.due(step, recipe.train.max_steps)
+        if save:
             checkpoint.save(policy, recipe, {"step": step, "position": step, "tokens": 0}, tok)
+        if stop:
+            print0(f"stopped by signal {saver.signal} after step {step}; saved, continue with --resume")
+            break
+    saver.close()
     metrics.close()
     return rows
 
