@@ -233,8 +233,11 @@ def cluster(tmp_path_factory):
     os.chmod(tmp / "authorized_keys", 0o600)
     Path("/run/sshd").mkdir(mode=0o755, parents=True, exist_ok=True)  # sshd's privilege-separation directory
 
-    local_disks = subprocess.run(["unshare", "-m", "--propagation", "private", "true"],
-                                 capture_output=True).returncode == 0 if shutil.which("unshare") else False
+    probe = tmp / "mount_probe"
+    probe.mkdir()
+    local_disks = bool(shutil.which("unshare")) and subprocess.run(  # a private mount namespace + a bind mount
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", 'mount --bind "$1" "$1"', "sh", str(probe)],
+        capture_output=True).returncode == 0
 
     def sshd_config(name: str, *addrs: str) -> Path:
         cfg = tmp / f"sshd_{name}"
