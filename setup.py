@@ -6,7 +6,8 @@ setup(
     description="DeepSpeed-native pretraining and GRPO for Mixture-of-Experts language models",
     packages=find_packages(include=["engine", "engine.*"]),
     package_data={"engine": ["assets/*.jsonl", "assets/tokenizer/*", "recipes/*.yaml"]},
-    scripts=["bin/pretrain.py", "bin/zero_to_fp32", "bin/make_default_assets.py"],
+    scripts=["bin/pretrain.py", "bin/grpo.py", "bin/zero_to_fp32", "bin/bench.py", "bin/check_cluster",
+             "bin/make_default_assets.py"],
     python_requires=">=3.10",
     install_requires=[
         "torch==2.13.0",           # pinned: a fresh machine installs a known build (CPU here, CUDA on GPU hosts)

@@ -25,6 +25,7 @@ from .ds_config import read_ds_config, resolve_ds_config
 from .grpo_math import GRPOLossConfig, group_advantages, keep_mask, policy_loss, token_entropy, token_logprobs
 from .metrics import Metrics, print0
 from .model import build_model
+from .pretrain import report_error
 from .parallel import World, build_engine, init_distributed, model_dtype, world_from_env
 from .rewards import build_rewards
 from .rollout import build_rollout
@@ -305,8 +306,7 @@ def main(argv=None) -> int:
     try:
         recipe, ds, tok, prompts, evals, rewards, init = preflight(args, world)
     except ConfigError as e:
-        if world.rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        report_error(e, world)
         return 2
     init_distributed()
     if init is None and args.init_from:

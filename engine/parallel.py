@@ -34,6 +34,11 @@ def init_distributed() -> None:
                           MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
                           MASTER_PORT=os.environ.get("MASTER_PORT", str(29500 + os.getpid() % 1000)))
     deepspeed.init_distributed()
+    from .cluster import start_peer_watchdog
+
+    # DeepSpeed's own process groups wait up to torch's default timeout (10-30 min) on a dead peer; the watchdog
+    # ends this rank within MOE_PEER_TIMEOUT s (default 30) instead (docs/multinode.md).
+    start_peer_watchdog()
     from deepspeed.accelerator import get_accelerator
 
     if get_accelerator().device_name() == "cuda":

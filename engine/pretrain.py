@@ -130,6 +130,17 @@ def train(recipe: Recipe, engine, data, tok, world: World) -> list[dict]:
     return rows
 
 
+def report_error(e: Exception, world: World) -> None:
+    """One line on stderr: from rank 0, and from each other node's first rank (node-local disks can differ)."""
+    import os
+    import socket
+
+    if world.rank == 0:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+    elif os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"error on {socket.gethostname()} (rank {world.rank}): {e}", file=sys.stderr, flush=True)
+
+
 def peak_memory_gib() -> float:
     """This rank's peak accelerator memory (peak RSS on the CPU accelerator)."""
     from deepspeed.accelerator import get_accelerator
@@ -143,8 +154,7 @@ def main(argv=None) -> int:
     try:
         recipe, ds, tok = preflight(args, world)
     except ConfigError as e:
-        if world.rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        report_error(e, world)
         return 2
     init_distributed()
     engine, data = build(recipe, ds, tok, world)
