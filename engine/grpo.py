@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint
-from .config import ASSETS, ConfigError, Recipe, load_recipe
+from .config import ConfigError, GRPOConfig, Recipe, load_recipe
 from .data import load_tokenizer
 from .ds_config import read_ds_config, resolve_ds_config
 from .grpo_math import GRPOLossConfig, group_advantages, keep_mask, policy_loss, token_entropy, token_logprobs
@@ -70,6 +70,12 @@ def resolve_init(init_from: str | None, recipe: Recipe) -> str | None:
     return None  # a DeepSpeed checkpoint: exported in main()
 
 
+def loss_config(g: GRPOConfig) -> GRPOLossConfig:
+    """The loss fields of the recipe's grpo section, as the math module takes them."""
+    return GRPOLossConfig(clip_low=g.clip_low, clip_high=g.clip_high, beta=g.beta, kl=g.kl, aggregation=g.aggregation,
+                          normalize_std=g.normalize_std, max_new_tokens=g.max_new_tokens)
+
+
 def preflight(args, world: World):
     o = {k: v for k, v in {"train.max_steps": args.max_steps, "run_dir": args.run_dir,
                            "data.path": args.data}.items() if v is not None}
@@ -80,8 +86,7 @@ def preflight(args, world: World):
                            where=f"DeepSpeed config {args.deepspeed_config}")
     g = recipe.grpo
     per_rank = ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
-    problems = GRPOLossConfig(g.clip_low, g.clip_high, g.beta, g.kl, g.aggregation, g.normalize_std,
-                              g.max_new_tokens).validate()
+    problems = loss_config(g).validate()
     if per_rank % g.group_size:
         problems.append(f"grpo.group_size ({g.group_size}) must divide train_micro_batch_size_per_gpu x "
                         f"gradient_accumulation_steps ({per_rank}): each rank's batch is whole groups")
@@ -177,7 +182,7 @@ def evaluate(rollout, evals, rewards, tok, world: World, device, max_new_tokens:
 def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | None, world: World) -> list[dict]:
     g = recipe.grpo
     recipe = replace(recipe, model=replace(recipe.model, init_from=init))  # checkpoints record the real source
-    loss_cfg = GRPOLossConfig(g.clip_low, g.clip_high, g.beta, g.kl, g.aggregation, g.normalize_std, g.max_new_tokens)
+    loss_cfg = loss_config(g)
     torch.manual_seed(recipe.train.seed + world.rank)  # different samples on each rank
     model = build_model(recipe.model, ds, tok, dtype=model_dtype(ds))
     schedule = replace(recipe.train, max_steps=recipe.train.max_steps * g.iterations,
