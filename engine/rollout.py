@@ -103,7 +103,8 @@ class LocalCopyRollout(RolloutEngine):
         out = self.model.generate(ids, attention_mask=attn, max_new_tokens=sampling.max_new_tokens,
                                   do_sample=sampling.temperature > 0, temperature=max(sampling.temperature, 1e-6),
                                   top_p=sampling.top_p, top_k=0, eos_token_id=self.tokenizer.eos_token_id,
-                                  pad_token_id=self.tokenizer.pad_token_id)  # stops at EOS, no collectives
+                                  pad_token_id=self.tokenizer.pad_token_id,
+                                  synced_gpus=False)  # stops at EOS, no collectives (ZeRO-3 would turn sync on)
         return RolloutBatch(input_ids=out, attention_mask=response_attention(out, attn, prompt_len, self.tokenizer),
                             response_start_idx=torch.full((out.shape[0],), prompt_len, device=out.device))
 
