@@ -14,10 +14,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 ZERO3 = ROOT / "ds_configs" / "zero3.json"
 DEEPSPEED = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")  # the real launcher
-# DeepSpeed JIT-builds a CPU op (shm comm) under a lock file in torch's extensions dir. A process killed while
-# holding that lock, or another DeepSpeed install rebuilding the same op, left every later rank waiting on the
-# lock forever; the tests keep their own extensions dir inside this checkout.
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
 
 
 def free_port() -> int:
