@@ -1,0 +1,176 @@
+"""GRPO test probe, started by the real `deepspeed` launcher. It runs GRPO exactly as bin/grpo.py does
+(engine.grpo.preflight, then engine.grpo.train, which calls build_reference and build_rollout) and wraps two of
+its functions to record what the tests check, per rank, in OUT/rank{r}.json:
+  - logits of the policy engine, the reference engine and a local rollout copy (engine.rollout.local_copy) on one
+    fixed input, right after the reference is built (before the first update) and again after training
+  - the largest difference between the reference's and the policy's local ZeRO-3 shards, before and after
+  - every rollout: greedy or sampled, how many decode steps it ran, each completion's length, and the
+    torch.distributed collectives called during it
+  - the metric rows train() returned
+--copy_only: build the policy engine only (as train() does) and compare local_copy's logits with it.
+usage: deepspeed --num_gpus N tests/scripts/grpo_probe.py --out DIR [--copy_only] --deepspeed_config ... [grpo args]
+"""
+import contextlib
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from engine import grpo  # noqa: E402
+from engine.model import build_model  # noqa: E402
+from engine.parallel import build_engine, init_distributed, model_dtype, world_from_env  # noqa: E402
+from engine.rollout import local_copy  # noqa: E402
+
+# One input, the same on every rank: two texts of different lengths, left-padded as rollouts are.
+TEXTS = ["Q: 20 + 36 = ? A: 56", "Gus went to the harbor with 9 pens. Ada gave Gus"]
+
+
+@torch.no_grad()
+def logits(model, req) -> torch.Tensor:
+    """Logits as engine.grpo.forward_logps computes them (positions follow the left padding)."""
+    ids, attn = req.prompt_ids, req.prompt_attention_mask
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits.float()
+    return out[attn.bool()]  # real tokens only: (tokens, V)
+
+
+def diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+def shard_diff(policy, ref) -> float:
+    """Largest difference between the reference's and the policy's local shards (no collectives)."""
+    pol = dict(policy.module.named_parameters())
+    worst = 0.0
+    for name, p in ref.module.named_parameters():
+        q = pol[name]
+        a, b = (p.ds_tensor, q.ds_tensor) if hasattr(p, "ds_tensor") else (p.data, q.data)
+        if a.numel():
+            worst = max(worst, diff(a.float(), b.float()))
+    return worst
+
+
+def local_copy_check(policy, req) -> dict:
+    copy = local_copy(policy.module, policy.device)
+    full = {n: list(t.shape) for n, t in copy.named_parameters() if ".experts." in n}
+    pol = logits(policy, req)
+    d = diff(logits(copy, req), pol)
+    with torch.no_grad():  # negative control: experts 0 and 7 of layer 0 swapped (as a wrong gather order would)
+        for w in (copy.model.layers[0].mlp.experts.gate_up_proj, copy.model.layers[0].mlp.experts.down_proj):
+            w[[0, 7]] = w[[7, 0]].clone()
+    swapped = diff(logits(copy, req), pol)
+    del copy
+    return {"copy_vs_policy": d, "swapped_experts_vs_policy": swapped, "copy_expert_shapes": full}
+
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
+               "all_to_all_single", "barrier")
+
+
+@contextlib.contextmanager
+def counting_collectives():
+    """Counts calls of torch.distributed collectives looked up at call time (transformers' synced_gpus flag,
+    AutoEP's all-to-all; not ZeRO-3's gathers, whose function DeepSpeed caches at start)."""
+    calls: dict[str, int] = {}
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def counted(name, fn):
+        def f(*a, **k):
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*a, **k)
+        return f
+
+    for name, fn in originals.items():
+        setattr(dist, name, counted(name, fn))
+    try:
+        yield calls
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def ep_sizes(policy) -> list[int]:
+    return [m.ep_size for m in policy.module.modules() if getattr(m, "_is_autoep_layer", False)]
+
+
+def main() -> None:
+    out = Path(sys.argv[sys.argv.index("--out") + 1])
+    copy_only = "--copy_only" in sys.argv
+    argv = [a for i, a in enumerate(sys.argv[1:]) if a not in ("--out", "--copy_only") and sys.argv[i] != "--out"]
+    args = grpo.parse_args(argv)
+    world = world_from_env()
+    recipe, ds, tok, prompts, evals, rewards, init = grpo.preflight(args, world)
+    init_distributed()
+    info: dict = {"rank": world.rank, "world": world.size}
+    out.mkdir(parents=True, exist_ok=True)
+
+    if copy_only:
+        model = build_model(replace(recipe.model, init_from=init), ds, tok, dtype=model_dtype(ds))
+        policy = build_engine(model, ds, recipe.train)
+        req = grpo.left_pad(TEXTS, tok, policy.device)
+        info["ep_size"] = ep_sizes(policy)
+        info.update(local_copy_check(policy, req))
+        (out / f"rank{world.rank}.json").write_text(json.dumps(info))
+        return
+
+    seen: dict = {}
+    rollouts: list[dict] = []
+    build_reference, build_rollout = grpo.build_reference, grpo.build_rollout
+
+    def build_reference_recorded(policy, *a, **k):
+        ref = build_reference(policy, *a, **k)
+        seen.update(policy=policy, ref=ref)
+        info["ep_size"] = ep_sizes(policy)
+        r = grpo.left_pad(TEXTS, tok, policy.device)
+        seen["policy_before"], seen["ref_before"] = logits(policy, r), logits(ref, r)
+        info["ref_vs_policy_before"] = diff(seen["ref_before"], seen["policy_before"])
+        info["shards_before"] = shard_diff(policy, ref)
+        info["before"] = local_copy_check(policy, r)
+        info["ref_training"] = ref.module.training
+        return ref
+
+    def build_rollout_recorded(kind, engine, tokenizer):
+        rollout = build_rollout(kind, engine, tokenizer)
+        info["rollout_class"] = type(rollout).__name__
+        generate = rollout.generate
+
+        def generate_recorded(request, sampling):
+            t0 = time.time()
+            with counting_collectives() as calls:
+                batch = generate(request, sampling)
+            p_len = int(batch.response_start_idx[0])
+            rollouts.append({"greedy": sampling.temperature <= 0, "prompts": request.prompt_ids.shape[0],
+                             "decode_steps": batch.input_ids.shape[1] - p_len,
+                             "completion_lens": batch.attention_mask[:, p_len:].sum(1).tolist(), "collectives": calls,
+                             "seconds": time.time() - t0})
+            return batch
+
+        rollout.generate = generate_recorded
+        return rollout
+
+    grpo.build_reference, grpo.build_rollout = build_reference_recorded, build_rollout_recorded
+    rows = grpo.train(recipe, ds, tok, prompts, evals, rewards, init, world)
+    grpo.build_reference, grpo.build_rollout = build_reference, build_rollout
+
+    policy, ref = seen["policy"], seen["ref"]
+    r = grpo.left_pad(TEXTS, tok, policy.device)
+    pol_after, ref_after = logits(policy, r), logits(ref, r)
+    info.update(rows=rows, rollouts=rollouts,
+                ref_after_vs_before=diff(ref_after, seen["ref_before"]),
+                policy_after_vs_before=diff(pol_after, seen["policy_before"]),
+                ref_vs_policy_after=diff(ref_after, pol_after),
+                shards_after=shard_diff(policy, ref),
+                after=local_copy_check(policy, r))
+    (out / f"rank{world.rank}.json").write_text(json.dumps(info))
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,342 @@
+"""GRPO on CPU ranks through the real launcher: the reference engine, the rollout kinds, bad input, bad rewards.
+
+One tiny DeepSeek-V3 MoE is pretrained once (module fixture) on arithmetic one-liners ("Q: 20 + 36 = ? A: 56",
+each its own document, so EOS follows the answer) and longer stories. GRPO then runs on two prompts, one per
+rank: the arithmetic one, which the model answers in two tokens (" 56", EOS), and a story opening, which it
+continues to max_new_tokens. So the ranks' rollouts finish at different lengths, by construction.
+tests/scripts/grpo_probe.py runs engine.grpo.train itself and records logits, shards and rollout lengths.
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import DEEPSPEED, ROOT, ZERO3, env, free_port, read_metrics, write_ds
+
+PROBE = ROOT / "tests" / "scripts" / "grpo_probe.py"
+GRPO = ROOT / "bin" / "grpo.py"
+ZERO3_GRPO = ROOT / "ds_configs" / "zero3_grpo.json"
+ASSETS = ROOT / "engine" / "assets"
+HANG = 300  # seconds: a 2-rank GRPO run takes ~30 s on 2 busy cores; past this it hangs, and the test fails
+
+PRETRAIN = """
+model: {arch: deepseek_v3, hidden_size: 64, num_layers: 2, num_heads: 4, intermediate_size: 128,
+        moe_intermediate_size: 64, num_experts: 8, experts_per_token: 2, num_shared_experts: 1,
+        vocab_size: 512, max_position_embeddings: 96}
+data: {seq_len: 64, path: CORPUS}
+train: {max_steps: 100, warmup_steps: 3, log_every: 50}
+"""
+PROMPTS = [{"prompt": "Q: 20 + 36 = ? A:", "answer": "56"}, {"prompt": "Gus went to the harbor with", "answer": "9"}]
+# 1 prompt x G=4 per rank per step (micro-batch 4, no accumulation): rank r always gets prompt order[r], so one
+# rank answers in 2 tokens and the other runs to 8; the eval set (the same two, greedy) splits the same way.
+# length_penalty gives completions of one group different rewards, so advantages are not all zero.
+GRPO_RECIPE = """
+data: {path: PROMPTS}
+train: {max_steps: 2, lr: 1.0e-3, warmup_steps: 0, log_every: 1}
+grpo: {group_size: 4, max_new_tokens: 8, temperature: 0.7, beta: 0.04, rollout: KIND, eval_path: PROMPTS,
+       eval_every: 1, rewards: [{name: numeric, which: first}, {name: length_penalty, target: 3, scale: 0.1}]}
+checkpoint: {at_end: false}
+"""
+
+
+def run_launcher(n_ranks: int, script, *args, cwd, timeout: int = HANG, pythonpath: str | None = None,
+                 check: bool = True) -> subprocess.CompletedProcess:
+    """conftest.launch, plus: extra PYTHONPATH entries, and on timeout the launcher and its ranks (its own
+    process group) are killed and the test fails, so a hang never blocks the suite."""
+    cmd = [DEEPSPEED, "--master_port", str(free_port()), "--num_gpus", str(n_ranks), str(script), *map(str, args)]
+    e = env(PYTHONPATH=f"{ROOT}{os.pathsep}{pythonpath}") if pythonpath else env()
+    p = subprocess.Popen(cmd, cwd=cwd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # SIGINT first: Python unwinds, so a rank inside a JIT op build drops torch's build lock (a lock left by
+        # SIGKILL makes every later DeepSpeed start on this machine wait forever); then SIGKILL what is left.
+        os.killpg(p.pid, signal.SIGINT)
+        try:
+            out, err = p.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, err = p.communicate()
+        raise AssertionError(f"hung: {' '.join(cmd)} still running after {timeout} s\n{out[-3000:]}\n{err[-3000:]}")
+    done = subprocess.CompletedProcess(cmd, p.returncode, out, err)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\n{out[-4000:]}\n{err[-4000:]}")
+    return done
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """A pretraining run dir and its Hugging Face export (context 96 tokens)."""
+    tmp = tmp_path_factory.mktemp("grpo_pretrain")
+    docs = [{"text": f"{r['prompt']} {r['answer']}"} for r in map(json.loads, (ASSETS / "arith_train.jsonl").open())]
+    for line in (ASSETS / "corpus.jsonl").read_text().splitlines()[:2000]:
+        docs.append({"text": re.sub(r"Q: [^A]*A: -?\d+ ?", "", json.loads(line)["text"]).strip()})
+    docs = [d for d in docs if d["text"]]
+    docs = [docs[(i * 7919) % len(docs)] for i in range(len(docs))]  # interleave (7919 is prime, coprime)
+    (tmp / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tmp / "pretrain.yaml").write_text(PRETRAIN.replace("CORPUS", str(tmp / "corpus.jsonl")))
+    run_launcher(1, ROOT / "bin" / "pretrain.py", "--deepspeed_config", ZERO3, "--config", tmp / "pretrain.yaml",
+                 "--run_dir", tmp / "run", cwd=tmp)
+    subprocess.run([sys.executable, str(ROOT / "bin" / "zero_to_fp32"), str(tmp / "run"), str(tmp / "hf")],
+                   env=env(), check=True, capture_output=True, timeout=300)
+    (tmp / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
+    return tmp
+
+
+def grpo_ds(path, fp32: bool):
+    """The shipped GRPO DS config at micro-batch 4, no accumulation; fp32 drops "bf16"."""
+    return write_ds(path, base=ZERO3_GRPO, drop=("bf16",) if fp32 else (),
+                    train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=1)
+
+
+def probe(pretrained, name: str, ranks: int, kind: str, fp32: bool, *extra) -> list[dict]:
+    d = pretrained / name
+    d.mkdir()
+    (d / "grpo.yaml").write_text(GRPO_RECIPE.replace("PROMPTS", str(pretrained / "prompts.jsonl"))
+                                 .replace("KIND", kind))
+    run_launcher(ranks, PROBE, "--out", d / "out", *extra, "--deepspeed_config", grpo_ds(d / "ds.json", fp32),
+                 "--config", d / "grpo.yaml", "--init_from", pretrained / "hf", "--run_dir", d / "run", cwd=d)
+    return [json.loads((d / "out" / f"rank{r}.json").read_text()) for r in range(ranks)]
+
+
+@pytest.fixture(scope="module")
+def runs(pretrained):
+    """Two 2-rank GRPO runs (2 steps, beta > 0): local rollouts in fp32, engine rollouts in bf16 (as shipped)."""
+    return {"local": probe(pretrained, "local", 2, "local", True), "engine": probe(pretrained, "engine", 2, "engine", False)}
+
+
+@pytest.mark.parametrize("kind", ["local", "engine"])
+def test_reference_equals_policy_before_the_first_update(runs, kind):
+    for info in runs[kind]:
+        assert info["ep_size"] == [2, 2]  # both MoE layers expert-parallel over the 2 ranks
+        # build_reference copies the local ZeRO-3 shards one to one: identical shards, identical logits, on
+        # every rank, in fp32 and in bf16 (0.0, not a tolerance: the same numbers through the same code).
+        assert info["shards_before"] == 0.0, info
+        assert info["ref_vs_policy_before"] == 0.0, info
+        assert info["ref_training"] is False
+
+
+@pytest.mark.parametrize("kind", ["local", "engine"])
+def test_a_step_moves_the_policy_and_not_the_reference(runs, kind):
+    for info in runs[kind]:
+        assert [r["step"] for r in info["rows"]] == [0, 1, 2]  # eval at 0, then two GRPO steps
+        assert info["rows"][-1]["kl"] > 0  # the KL term compared the moved policy with the reference
+        assert info["policy_after_vs_before"] > 1e-2, info  # measured: 3.75 (fp32), 3.70 (bf16)
+        assert info["shards_after"] > 0
+        assert info["ref_after_vs_before"] == 0.0, info  # the reference's logits did not move at all
+    # Every rank computed the same logits (the same model on the same input).
+    a, b = runs[kind]
+    assert a["policy_after_vs_before"] == b["policy_after_vs_before"]
+
+
+def test_local_rollouts_finish_at_different_lengths_without_a_hang(runs):
+    a, b = runs["local"]
+    assert a["rollout_class"] == b["rollout_class"] == "LocalCopyRollout"
+    assert len(a["rollouts"]) == len(b["rollouts"]) == 5  # eval, (rollout, eval) x 2
+    for ra, rb in zip(a["rollouts"], b["rollouts"]):
+        for r in (ra, rb):
+            assert r["decode_steps"] == max(r["completion_lens"])  # each rank stopped once all its samples had
+            # No collectives while generating (transformers turns on synced_gpus under ZeRO-3 unless told not
+            # to: then a finished rank keeps stepping for the others, and its cache outgrows its mask and crashes).
+            assert r["collectives"] == {}, r
+    steps = [(ra["decode_steps"], rb["decode_steps"]) for ra, rb in zip(a["rollouts"], b["rollouts"])]
+    # The greedy eval before any update: the arithmetic prompt ends after 2 tokens (" 56", EOS), the story
+    # runs to max_new_tokens. Later rollouts sample (and the policy moves), so only most of them must differ.
+    assert set(steps[0]) == {2, 8} and a["rollouts"][0]["greedy"], steps
+    assert sum(x != y for x, y in steps) >= 3, steps  # measured: all 5 differ; and training went on after them
+    assert len(a["rows"]) == 3
+
+
+def test_engine_rollouts_finish_at_different_lengths_without_a_hang(runs):
+    a, b = runs["engine"]
+    assert a["rollout_class"] == b["rollout_class"] == "HybridEngineRollout"
+    assert len(a["rollouts"]) == len(b["rollouts"]) == 5
+    finish = []
+    for ra, rb in zip(a["rollouts"], b["rollouts"]):
+        assert ra["decode_steps"] == rb["decode_steps"] == 8  # lockstep through ZeRO-3 for max_new_tokens
+        assert sum(ra["collectives"].values()) > 0  # the counter sees collectives where there are some
+        finish.append((max(ra["completion_lens"]), max(rb["completion_lens"])))  # EOS applied afterwards
+    assert set(finish[0]) == {2, 8} and a["rollouts"][0]["greedy"], finish
+    assert sum(x != y for x, y in finish) >= 3, finish  # measured: all 5 differ
+    assert len(a["rows"]) == 3
+
+
+def check_local_copy(result: dict):
+    # fp32 both: the plain HF model and the ZeRO-3/AutoEP engine differ only in kernels (measured: 1.9e-6 on
+    # 1 rank; 1.9e-6 / 1.4e-6 on 2 ranks before / after an update); a wrong expert order, a missing shard or a
+    # transposed weight moves logits by far more (swapping experts 0 and 7 of layer 0 in the copy: 2.76).
+    assert result["copy_vs_policy"] < 1e-4, result
+    assert result["swapped_experts_vs_policy"] > 1e-2, result
+    for name, shape in result["copy_expert_shapes"].items():
+        assert shape[0] == 8, (name, shape)  # every expert present, gathered over the expert-parallel group
+    assert len(result["copy_expert_shapes"]) == 4
+
+
+def test_local_copy_equals_the_policy_on_one_rank(pretrained):
+    (info,) = probe(pretrained, "copy1", 1, "local", True, "--copy_only")
+    assert info["ep_size"] == [1, 1]
+    check_local_copy(info)
+
+
+def test_local_copy_equals_the_policy_on_two_ranks(runs):
+    for info in runs["local"]:  # expert parallel 2: each rank holds 4 of the 8 experts per layer
+        assert info["ep_size"] == [2, 2]
+        check_local_copy(info["before"])
+        check_local_copy(info["after"])  # the copy follows the updated policy too
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+def run_cli(tmp_path, *args, recipe: str | None = None):
+    """bin/grpo.py as the launcher would start rank 0 of 1, from the repo root (the shipped recipe's paths)."""
+    cmd = [sys.executable, str(GRPO), "--deepspeed_config", str(ZERO3_GRPO), *map(str, args)]
+    if recipe is not None:
+        (tmp_path / "recipe.yaml").write_text(recipe)
+        cmd += ["--config", str(tmp_path / "recipe.yaml")]
+    cmd += ["--run_dir", str(tmp_path / "run")]
+    e = env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1")
+    return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=120)
+
+
+TINY = (ROOT / "engine" / "recipes" / "grpo_tiny.yaml").read_text()
+
+
+@pytest.mark.parametrize("case, expect", [
+    ("prompt_too_long", "data.path row 1: prompt of"),
+    ("unknown_reward", "grpo.rewards[0].name: unknown reward 'numerik'"),
+    ("group_of_one", "grpo.group_size (1) must be >= 2"),
+    ("group_not_dividing_batch", "grpo.group_size (5) must divide train_micro_batch_size_per_gpu x "
+                                 "gradient_accumulation_steps (64)"),
+    ("missing_init_from", "--init_from /nonexistent/pretrain_run: no such directory"),
+    ("init_from_without_checkpoint", "--init_from"),
+])
+def test_bad_input_is_one_clear_line_before_any_work(tmp_path, case, expect):
+    args, recipe = [], None
+    if case == "prompt_too_long":
+        rows = [PROMPTS[0], {"prompt": "Gus went to the harbor with 9 pens. " * 60, "answer": "9"}]
+        (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        args = ["--data", tmp_path / "p.jsonl"]
+    elif case == "unknown_reward":
+        recipe = TINY.replace("{name: numeric, weight: 1.0, which: first}", "{name: numerik, weight: 1.0}")
+    elif case == "group_of_one":
+        recipe = TINY.replace("group_size: 8", "group_size: 1")
+    elif case == "group_not_dividing_batch":
+        recipe = TINY.replace("group_size: 8", "group_size: 5")  # zero3_grpo.json: 16 x 4 = 64 per rank
+    elif case == "missing_init_from":
+        args = ["--init_from", "/nonexistent/pretrain_run"]
+    elif case == "init_from_without_checkpoint":
+        (tmp_path / "empty").mkdir()  # exists, but neither a run dir with checkpoints nor a HF model dir
+        args = ["--init_from", tmp_path / "empty"]
+    assert recipe is None or recipe != TINY
+    p = run_cli(tmp_path, *args, recipe=recipe)
+    assert p.returncode == 2, p.stderr[-3000:]
+    # (datasets' progress bar while reading a new prompts file: see test_prompts_load_without_a_progress_bar)
+    lines = [line for line in p.stderr.splitlines() if line.strip() and not line.startswith("Generating train split")]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], p.stderr[-3000:]
+    if case == "prompt_too_long":
+        assert re.search(r"prompt of \d{3} tokens \+ grpo.max_new_tokens 4 exceeds the context \(512\)", lines[0])
+    assert not (tmp_path / "run").exists()  # nothing started, nothing written
+
+
+def test_prompts_load_without_a_progress_bar(tmp_path):
+    """Bad input is one line on stderr: reading a prompts file that datasets has not cached yet must not print
+    its "Generating train split" bar first (with a file seen before, the bar does not show)."""
+    rows = [PROMPTS[0], {"prompt": "Gus went to the harbor with 9 pens. " * 60, "answer": "9"}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    p = run_cli(tmp_path, "--data", tmp_path / "p.jsonl")
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), p.stderr[-3000:]
+
+
+def test_context_check_uses_the_model_being_trained(pretrained, tmp_path):
+    """The recipe's model section is ignored with --init_from (the loaded model's config is used), so the prompt
+    length check must use the loaded model's context (96 here), not the recipe's (512)."""
+    from engine.config import ConfigError
+    from engine.grpo import parse_args, preflight
+    from engine.parallel import World
+
+    rows = [PROMPTS[0], {"prompt": "Gus went to the harbor with 9 pens. " * 12, "answer": "9"}]  # 109 tokens
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = TINY.replace("eval_path: engine/assets/arith_eval.jsonl", f"eval_path: {ASSETS / 'arith_eval.jsonl'}")
+    (tmp_path / "recipe.yaml").write_text(recipe)
+    for init in (pretrained / "hf", pretrained / "run"):  # a HF model dir, a pretraining run dir
+        args = parse_args(["--deepspeed_config", str(ZERO3_GRPO), "--config", str(tmp_path / "recipe.yaml"),
+                           "--data", str(tmp_path / "p.jsonl"), "--init_from", str(init),
+                           "--run_dir", str(tmp_path / "run")])
+        with pytest.raises(ConfigError, match=r"data.path row 1: prompt of \d+ tokens .* exceeds the context \(96\)"):
+            preflight(args, World(rank=0, size=1, local_size=1))
+
+
+def test_eval_set_smaller_than_the_world_does_not_hang(pretrained, tmp_path):
+    """grpo.eval_path with 1 prompt on 2 ranks, engine rollouts: a rank with no eval prompt must still take part
+    in generation, whose decode steps are ZeRO-3 collectives."""
+    (tmp_path / "eval1.jsonl").write_text(json.dumps(PROMPTS[0]) + "\n")
+    recipe = (GRPO_RECIPE.replace("eval_path: PROMPTS", f"eval_path: {tmp_path / 'eval1.jsonl'}")
+              .replace("PROMPTS", str(pretrained / "prompts.jsonl")).replace("KIND", "engine")
+              .replace("max_steps: 2", "max_steps: 1"))
+    (tmp_path / "grpo.yaml").write_text(recipe)
+    run_launcher(2, GRPO, "--deepspeed_config", grpo_ds(tmp_path / "ds.json", False), "--config",
+                 tmp_path / "grpo.yaml", "--init_from", pretrained / "hf", "--run_dir", tmp_path / "run",
+                 cwd=tmp_path, timeout=150)
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [0, 1]
+
+
+# ------------------------------------------------------------------------------------- failing rewards
+
+FLAKY = '''
+def flaky(prompt, completion, answer):
+    """Raises on every arithmetic prompt; NaN for odd-length completions, else 1.0."""
+    if "+" in prompt:
+        raise ValueError("flaky reward: cannot score " + repr(prompt))
+    return float("nan") if len(completion) % 2 else 1.0
+'''
+
+
+@pytest.fixture(scope="module")
+def flaky_run(pretrained):
+    """The real bin/grpo.py on 2 ranks from the pretraining run dir, with a user reward that fails."""
+    d = pretrained / "flaky"
+    (d / "mods").mkdir(parents=True)
+    (d / "mods" / "my_rewards.py").write_text(FLAKY)
+    (d / "grpo.yaml").write_text(f"""
+data: {{path: {pretrained / 'prompts.jsonl'}}}
+train: {{max_steps: 2, lr: 1.0e-3, warmup_steps: 0, log_every: 1}}
+grpo: {{group_size: 4, max_new_tokens: 8, temperature: 0.7, beta: 0.04,
+       rewards: [{{name: "my_rewards:flaky", label: flaky}}, {{name: numeric, which: first}}]}}
+checkpoint: {{every_steps: 0, at_end: true}}
+""")
+    p = run_launcher(2, GRPO, "--deepspeed_config", grpo_ds(d / "ds.json", False), "--config", d / "grpo.yaml",
+                     "--init_from", pretrained / "run", "--run_dir", d / "run", cwd=d, pythonpath=str(d / "mods"))
+    return d, p
+
+
+def test_failing_reward_scores_zero_and_is_counted(flaky_run):
+    d, p = flaky_run
+    rows = read_metrics(d / "run")
+    assert [r["step"] for r in rows] == [1, 2]  # finished: no crash, no hang
+    for r in rows:
+        # 8 samples per step (2 ranks x 1 prompt x G=4): the 4 of the arithmetic prompt raise, some story
+        # completions give NaN; each failure scores 0, the rest 1.0, so the mean is (8 - failures) / 8.
+        assert 4 <= r["reward_flaky_failures"] <= 8, r
+        assert r["reward_flaky"] == pytest.approx((8 - r["reward_flaky_failures"]) / 8), r
+        assert r["reward_numeric_failures"] == 0
+        assert all(v == v for v in r.values() if isinstance(v, float)), r  # no NaN reached the metrics
+    assert (d / "run" / "init_hf" / "config.json").is_file()  # --init_from a run dir: exported, then trained
+
+
+def test_failing_reward_reason_is_shown(flaky_run):
+    """A count alone does not say what is wrong with the user's function: its first error should be printed."""
+    _, p = flaky_run
+    assert "flaky reward: cannot score" in p.stdout + p.stderr
+
+
+def test_grpo_saves_checkpoints_on_the_configured_cadence(flaky_run):
+    d, _ = flaky_run
+    ck = d / "run" / "checkpoints"
+    assert (ck / "latest").read_text() == "step_00000002"
+    assert sorted(x.name for x in ck.iterdir() if x.is_dir()) == ["step_00000002"]  # every_steps 0: the end only
