@@ -378,11 +378,14 @@ def worker_main(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
+    from .parallel import release_shm_names
+
     acc = get_accelerator()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if acc.device_name() == "cuda":
         torch.cuda.set_device(local)
     deepspeed.init_distributed(timeout=timedelta(seconds=args.timeout))
+    release_shm_names()
     rank, world = dist.get_rank(), dist.get_world_size()
     device = acc.device_name(local) if acc.device_name() != "cpu" else "cpu"
     n = max(1, int(args.size_mb * 2**20) // 4)

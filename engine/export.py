@@ -196,7 +196,7 @@ def plan_export(tag_dir: Path, dtype: str = "fp32") -> Plan:
         del ms
     optims = {r.rank: _optim_meta(r.optim_file, r.rank) for r in ranks}  # before any slow import: fail fast
 
-    cfg = _hf_config(tag_dir, state)
+    cfg = recorded_hf_config(tag_dir, state)
     model_type = cfg.model_type
     names = AUTOEP_NAMES.get(model_type, AUTOEP_NAMES["deepseek_v3"])
     keys, transposed, strict_fp32, tied = _hf_keys(cfg, dtype)
@@ -417,7 +417,7 @@ def _optim_meta(path: Path, file_rank: int) -> dict:
         gc.collect()
 
 
-def _hf_config(tag_dir: Path, state: dict):
+def recorded_hf_config(tag_dir: Path, state: dict):
     """The transformers config of the recorded recipe (engine/model.py:hf_config), dtype left to the caller."""
     import dataclasses
 

@@ -48,9 +48,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def load_prompts(path: str) -> list[dict]:
+    from datasets.utils.logging import disable_progress_bar
+
     from .data import load_documents
     from .config import DataConfig
 
+    disable_progress_bar()  # preflight: a bad input must be the only line on stderr
     ds = load_documents(DataConfig(path=path, text_field="prompt"))
     if "answer" not in ds.column_names:
         raise ConfigError(f"prompts {path}: needs an `answer` column next to `prompt` (columns: {ds.column_names})")
@@ -67,7 +70,32 @@ def resolve_init(init_from: str | None, recipe: Recipe) -> str | None:
     if not p.exists():
         raise ConfigError(f"--init_from {init_from}: no such directory (give a pretraining run dir, its "
                           "checkpoints/ dir, a step_* dir, or a Hugging Face model dir)")
+    from .export import ExportError, find_tag_dir
+
+    try:
+        find_tag_dir(p, None)
+    except ExportError as e:
+        raise ConfigError(f"--init_from {init_from}: neither a Hugging Face model dir (no config.json) nor a "
+                          f"checkpoint: {e}") from None
     return None  # a DeepSpeed checkpoint: exported in main()
+
+
+def model_context(init_from: str | None, init: str | None, recipe: Recipe) -> int:
+    """max_position_embeddings of the model that will be trained: the loaded model's, not the recipe's."""
+    if init is not None:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(init).max_position_embeddings
+    if init_from is not None:
+        from .export import ExportError, find_tag_dir, recorded_hf_config
+
+        tag = find_tag_dir(init_from, None)
+        try:
+            state = json.loads((tag / checkpoint.STATE_FILE).read_text())
+            return recorded_hf_config(tag, state).max_position_embeddings
+        except (OSError, ValueError, KeyError, ExportError) as e:
+            raise ConfigError(f"--init_from {init_from}: cannot read the model's config from {tag}: {e}") from None
+    return recipe.model.max_position_embeddings
 
 
 def loss_config(g: GRPOConfig) -> GRPOLossConfig:
@@ -98,7 +126,8 @@ def preflight(args, world: World):
     tok = load_tokenizer(recipe.data.tokenizer)
     prompts = load_prompts(recipe.data.path)
     evals = load_prompts(g.eval_path) if g.eval_path else []
-    limit = recipe.model.max_position_embeddings
+    init = resolve_init(args.init_from, recipe)
+    limit = model_context(args.init_from, init, recipe)
     for name, rows in (("data.path", prompts), ("grpo.eval_path", evals)):
         for i, r in enumerate(rows):
             n = len(tok(r["prompt"])["input_ids"])
@@ -108,7 +137,6 @@ def preflight(args, world: World):
                 break
     if recipe.resume and checkpoint.latest(recipe.run_dir) is None:
         problems.append(f"--resume: no checkpoint in {recipe.run_dir}/checkpoints")
-    init = resolve_init(args.init_from, recipe)
     if problems:
         raise ConfigError("; ".join(problems))
     return recipe, ds, tok, prompts, evals, rewards, init
@@ -168,9 +196,10 @@ def evaluate(rollout, evals, rewards, tok, world: World, device, max_new_tokens:
     """Mean rewards (total and each) of greedy completions of the held-out prompts; each rank scores its share."""
     mine = evals[world.rank::world.size]
     sums = torch.zeros(2 + len(rewards.labels), device=device)  # total, each reward, count
+    # A rank without a share still generates (evals[:1], not scored): engine rollouts decode in lockstep.
+    batch = rollout.generate(left_pad([r["prompt"] for r in mine or evals[:1]], tok, device),
+                             SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0))
     if mine:
-        batch = rollout.generate(left_pad([r["prompt"] for r in mine], tok, device),
-                                 SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0))
         scores = rewards.score([r["prompt"] for r in mine], completions(batch, tok), [r["answer"] for r in mine])
         sums += torch.tensor([float(scores.total.sum())] + [float(scores.per_reward[k].sum()) for k in rewards.labels]
                              + [len(mine)], device=device)
@@ -224,6 +253,9 @@ def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | No
         # 2. Rewards and group advantages.
         scores = rewards.score([r["prompt"] for r in batch_rows for _ in range(g.group_size)], texts,
                                [r["answer"] for r in batch_rows for _ in range(g.group_size)])
+        for label, msg in scores.first_error.items():
+            print(f"warning: step {step + 1}, rank {world.rank}: reward {label} failed on {scores.failures[label]} of "
+                  f"{len(texts)} samples (scored 0); first error: {msg}", file=sys.stderr, flush=True)
         reward = torch.as_tensor(scores.total, dtype=torch.float32, device=device)  # (N,)
         adv = group_advantages(reward, g.group_size, normalize_std=g.normalize_std)
         if g.dynamic_sampling:

@@ -34,6 +34,7 @@ def init_distributed() -> None:
                           MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
                           MASTER_PORT=os.environ.get("MASTER_PORT", str(29500 + os.getpid() % 1000)))
     deepspeed.init_distributed()
+    release_shm_names()
     from .cluster import start_peer_watchdog
 
     # DeepSpeed's own process groups wait up to torch's default timeout (10-30 min) on a dead peer; the watchdog
@@ -43,6 +44,27 @@ def init_distributed() -> None:
 
     if get_accelerator().device_name() == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def release_shm_names() -> None:
+    """Unlink this rank's /dev/shm all-reduce buffer once every local rank has mapped it.
+
+    On CPU, DeepSpeed's shm all-reduce op creates a 66 MiB file per rank in /dev/shm and never removes it, so
+    every run (killed or not) leaked 66 MiB x ranks of RAM until the machine ran out. The mappings stay valid
+    after unlink; the memory goes back to the OS when the last rank exits, however it exits.
+    """
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu" or not dist.is_initialized():
+        return
+    dist.barrier()  # shm_initialize opens every peer's buffer before returning: after this all are mapped
+    name = "deepspeed_allreduce_buffer_{}_{}_{}_{}".format(
+        os.getuid(), os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"), dist.get_rank())
+    try:
+        os.unlink(os.path.join("/dev/shm", name))
+    except FileNotFoundError:  # not all ranks on one host: DeepSpeed made no shm buffers
+        pass
 
 
 def model_dtype(ds_config: dict) -> torch.dtype:

@@ -3,6 +3,7 @@ peak memory while building, disjoint data, and equal parameters after training o
 """
 import hashlib
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -42,14 +43,29 @@ def probe(tmp, name: str, ranks: int, micro: int, recipe: str, *extra) -> list[d
     return [json.loads((d / "out" / f"rank{r}.json").read_text()) for r in range(ranks)]
 
 
+SEEN = {}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("two_ranks")
+    shm_before = shm_buffers()
     # Same global batch: 1 rank x micro-batch 2 == 2 ranks x micro-batch 1.
     one = probe(tmp, "one", 1, 2, RECIPE)
     two = probe(tmp, "two", 2, 1, RECIPE)
     params = {n: torch.load(tmp / n / "out" / "params.pt") for n in ("one", "two")}
+    SEEN["shm_left"] = shm_buffers() - shm_before
     return one, two, params
+
+
+def shm_buffers() -> set:
+    return {p.name for p in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")}
+
+
+def test_runs_leave_no_shared_memory_behind(runs):
+    # DeepSpeed's CPU all-reduce creates a 66 MiB /dev/shm file per rank and never removes it (CI ran out of
+    # memory on them); engine/parallel.py unlinks them once every rank has mapped them.
+    assert SEEN["shm_left"] == set()
 
 
 def test_each_rank_holds_half_of_every_dense_parameter(runs):
