@@ -16,6 +16,9 @@ the engine measured one after the other land in one table. Columns:
   peak GiB       peak accelerator memory of rank 0 (peak RSS on CPU)
 --no_autoep drops the DS config's expert_parallel section: the same HF model under plain ZeRO-3 with its
 own MoE block (what HF Trainer + DeepSpeed gives). --micro_batch overrides train_micro_batch_size_per_gpu.
+--set KEY=VALUE changes the recipe (e.g. train.activation_checkpointing=true), --ds_set KEY=VALUE the DS config
+(e.g. zero_optimization.stage=2); values are YAML. --label names the row. --profile N profiles N more steps
+with torch.profiler and prints the operators that take the most device time (also written to OUT.profile.txt).
 """
 import argparse
 import json
@@ -27,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+import yaml  # noqa: E402
 
 from engine.config import ConfigError, load_recipe  # noqa: E402
 from engine.ds_config import read_ds_config, resolve_ds_config  # noqa: E402
@@ -68,16 +72,27 @@ def main() -> int:
     ap.add_argument("--no_autoep", action="store_true")
     ap.add_argument("--micro_batch", type=int)
     ap.add_argument("--memory_fraction", type=float, help="cap GPU memory (e.g. 80 GB of an H200: 0.56)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override")
+    ap.add_argument("--ds_set", action="append", default=[], metavar="KEY=VALUE", help="DS config override")
+    ap.add_argument("--label", default="")
+    ap.add_argument("--profile", type=int, default=0, metavar="N")
     ap.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     world = world_from_env()
     try:
-        recipe = load_recipe(args.config, {"train.max_steps": args.warmup + args.steps})
+        recipe = load_recipe(args.config, {**parse_sets(args.set, "--set"),
+                                           "train.max_steps": args.warmup + args.steps + args.profile})
         raw = read_ds_config(args.deepspeed_config)
         if args.no_autoep:
             raw.pop("expert_parallel", None)
         if args.micro_batch:
             raw["train_micro_batch_size_per_gpu"] = args.micro_batch
+        for dotted, value in parse_sets(args.ds_set, "--ds_set").items():
+            *path, key = dotted.split(".")
+            node = raw
+            for part in path:
+                node = node.setdefault(part, {})
+            node[key] = value
         ds = resolve_ds_config(raw, recipe, world.size, world.local_size)
         tok = load_tokenizer(recipe.data.tokenizer)
     except ConfigError as e:
@@ -95,12 +110,8 @@ def main() -> int:
     ep = (ds.get("expert_parallel") or {}).get("autoep_size", 1)
     batches = data.micro_batches(micro, world.rank, world.size)
     times = {"fwd": 0.0, "bwd": 0.0, "step": 0.0}
-    acc.reset_max_memory_allocated()
-    for step in range(args.warmup + args.steps):
-        if step == args.warmup:
-            times = {k: 0.0 for k in times}
-            acc.synchronize()
-            t_start = time.perf_counter()
+
+    def train_step():
         for _ in range(accum):
             _, ids = next(batches)
             ids = ids.to(engine.device)
@@ -117,18 +128,30 @@ def main() -> int:
             times["fwd"] += t1 - t0
             times["bwd"] += t2 - t1
             times["step"] += t3 - t2
+        return loss
+
+    for _ in range(args.warmup):
+        train_step()
+    times = {k: 0.0 for k in times}
+    acc.reset_max_memory_allocated()
+    acc.synchronize()
+    t_start = time.perf_counter()
+    for _ in range(args.steps):
+        loss = train_step()
     elapsed = time.perf_counter() - t_start
+    if args.profile:
+        profile(train_step, args.profile, acc.device_name(), f"{args.out}.profile.txt", world.rank)
     tokens_per_rank = args.steps * micro * accum * recipe.data.seq_len
     flops_tok, total, active = model_flops_per_token(engine, engine.module.config, recipe.data.seq_len, ep)
     tps = tokens_per_rank / elapsed
-    row = {"recipe": Path(args.config or "tiny.yaml").name, "ds_config": Path(args.deepspeed_config).name,
+    row = {"label": args.label, "recipe": Path(args.config or "tiny.yaml").name, "ds_config": Path(args.deepspeed_config).name,
            "autoep": not args.no_autoep and bool(ds.get("expert_parallel")), "ep": ep, "world": world.size,
            "micro": micro, "accum": accum, "seq": recipe.data.seq_len, "device": acc.device_name(),
            "params_m": round(total / 1e6, 3), "active_m": round(active / 1e6, 3),
            "tokens_per_s_per_gpu": round(tps), "mfu": float(f"{tps * flops_tok / (PEAK_TFLOPS * 1e12):.4g}"),
            **{f"{k}_ms": round(1000 * v / args.steps, 1) for k, v in times.items()},
            "peak_gib": round(acc.max_memory_allocated() / 2**30, 2), "loss": round(loss.item(), 4),
-           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+           "sets": args.set, "ds_sets": args.ds_set, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     if world.rank == 0:
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -136,8 +159,33 @@ def main() -> int:
     return 0
 
 
+def parse_sets(items: list[str], flag: str) -> dict:
+    out = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ConfigError(f"{flag} {item!r}: expected KEY=VALUE, e.g. {flag} train.lr=1e-4")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def profile(train_step, steps: int, device: str, path: str, rank: int) -> None:
+    """torch.profiler over `steps` training steps; rank 0 prints the top operators by device time."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with torch_profile(activities=acts) as prof:
+        for _ in range(steps):
+            train_step()
+    if rank == 0:
+        key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70)
+        Path(path).write_text(table)
+        print(table)
+
+
 def print_table(rows: list[dict]) -> None:
-    cols = ["recipe", "ds_config", "autoep", "world", "ep", "micro", "seq", "params_m", "active_m", "tokens_per_s_per_gpu", "mfu", "fwd_ms",
+    cols = ["label", "recipe", "ds_config", "autoep", "world", "ep", "micro", "seq", "params_m", "active_m", "tokens_per_s_per_gpu", "mfu", "fwd_ms",
             "bwd_ms", "step_ms", "peak_gib"]
     widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols]
     print(" | ".join(c.ljust(w) for c, w in zip(cols, widths)))

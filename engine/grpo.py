@@ -25,7 +25,7 @@ from .ds_config import read_ds_config, resolve_ds_config
 from .grpo_math import GRPOLossConfig, group_advantages, keep_mask, policy_loss, token_entropy, token_logprobs
 from .metrics import Metrics, print0
 from .model import build_model
-from .pretrain import report_error
+from .pretrain import peak_memory_gib, report_error
 from .parallel import World, build_engine, init_distributed, model_dtype, world_from_env
 from .rewards import build_rewards
 from .rollout import build_rollout
@@ -290,6 +290,7 @@ def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | No
                "lr": policy.get_lr()[0], "response_len": _mean_all(attn[:, p_len:].sum(1).float().mean()),
                "rollout_tokens_per_s": _sum_all(float(attn[:, p_len:].sum())) / max(t_roll, 1e-9),
                "train_tokens_per_s": _sum_all(float(attn.sum()) * (1 + g.iterations + (ref is not None))) / max(t_train, 1e-9),
+               "rollout_s": t_roll, "train_s": t_train, "step_s": time.time() - t0, "peak_mem_gib": peak_memory_gib(),
                **{k: _mean_all(v / n_micro) for k, v in stats_sum.items()}}
         row["kl"] = row.pop("kl_mean", 0.0)
         row["entropy"] = row.pop("entropy_mean", 0.0)

@@ -55,9 +55,11 @@ def build_model(m: ModelConfig, ds_config: dict, tokenizer=None, dtype: torch.dt
 
     keep_alive = HfDeepSpeedConfig(ds_config)  # transformers only holds a weak reference
     if m.init_from:
-        model = AutoModelForCausalLM.from_pretrained(m.init_from, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(m.init_from, dtype=dtype,
+                                                     attn_implementation=m.attn_implementation)
     else:
-        model = AutoModelForCausalLM.from_config(hf_config or make_hf_config(m, tokenizer), dtype=dtype)
+        model = AutoModelForCausalLM.from_config(hf_config or make_hf_config(m, tokenizer), dtype=dtype,
+                                                 attn_implementation=m.attn_implementation)
     model._hf_ds_config = keep_alive
     model.config.use_cache = False
     return model

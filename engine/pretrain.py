@@ -81,6 +81,8 @@ def build(recipe: Recipe, ds: dict, tok, world: World):
     torch.manual_seed(recipe.train.seed)
     data = build_data(recipe.data, tok, world.rank, world.size, recipe.train.seed)
     model = build_model(recipe.model, ds, tok, dtype=model_dtype(ds))
+    if recipe.train.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine = build_engine(model, ds, recipe.train)
     return engine, data
 
