@@ -11,6 +11,7 @@ Two engines, chosen by `grpo.rollout`:
 """
 from __future__ import annotations
 
+import copy
 import gc
 
 import torch
@@ -63,8 +64,10 @@ def gather_hf_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def local_copy(module: torch.nn.Module, device) -> torch.nn.Module:
     """A plain (unpartitioned) HF model holding the policy's current weights, for generation only."""
     state = gather_hf_state(module)
+    config = copy.deepcopy(module.config)  # its own: use_cache and the experts kernel must not leak into training
+    config.use_cache = True
     with torch.device("meta"):
-        model = type(module)(module.config)  # the HF class; built directly, so no zero.Init
+        model = type(module)(config)  # the HF class; built directly, so no zero.Init
     model.to_empty(device=device)
     own = dict(model.named_parameters()) | dict(model.named_buffers())
     missing = set(own) - set(state)
@@ -76,11 +79,7 @@ def local_copy(module: torch.nn.Module, device) -> torch.nn.Module:
             if src.shape != t.shape:  # transformers' transposed fused-expert layout
                 src = src.transpose(1, 2)
             t.copy_(src)
-    # grouped_mm runs each expert on its own tokens; transformers' default here (batched_mm) materializes
-    # per-token expert weights and ran out of memory on an H200 (36 GiB for one prefill of 64 x 2.6B-model rows).
-    model.set_experts_implementation("grouped_mm")
     model.eval()
-    model.config.use_cache = True
     return model
 
 
@@ -103,7 +102,7 @@ class LocalCopyRollout(RolloutEngine):
         out = self.model.generate(ids, attention_mask=attn, max_new_tokens=sampling.max_new_tokens,
                                   do_sample=sampling.temperature > 0, temperature=max(sampling.temperature, 1e-6),
                                   top_p=sampling.top_p, top_k=0, eos_token_id=self.tokenizer.eos_token_id,
-                                  pad_token_id=self.tokenizer.pad_token_id,
+                                  pad_token_id=self.tokenizer.pad_token_id, use_cache=True,
                                   synced_gpus=False)  # stops at EOS, no collectives (ZeRO-3 would turn sync on)
         return RolloutBatch(input_ids=out, attention_mask=response_attention(out, attn, prompt_len, self.tokenizer),
                             response_start_idx=torch.full((out.shape[0],), prompt_len, device=out.device))
