@@ -1,0 +1,39 @@
+"""The local rollout copy decodes with a KV cache (one new token per forward after the prompt) and leaves the
+policy's config alone. Without both, an H200 ran out of memory: generate re-ran the whole sequence at every
+token, and the training model's config was switched to use_cache=True by the rollout."""
+from types import SimpleNamespace
+
+import torch
+
+from conftest import ROOT  # noqa: F401  (puts the project on sys.path)
+
+
+def test_local_copy_decodes_with_a_cache_and_leaves_the_policy_config_alone():
+    from deepspeed.runtime.rollout import SamplingConfig
+    from transformers import AutoModelForCausalLM
+
+    from engine.config import ModelConfig
+    from engine.data import load_tokenizer
+    from engine.grpo import left_pad
+    from engine.model import make_hf_config
+    from engine.rollout import LocalCopyRollout
+
+    tok = load_tokenizer(str(ROOT / "engine" / "assets" / "tokenizer"))
+    torch.manual_seed(0)
+    policy = AutoModelForCausalLM.from_config(make_hf_config(ModelConfig(), tok))
+    policy.config.use_cache = False  # as engine/model.py builds it for training
+    rollout = LocalCopyRollout(SimpleNamespace(module=policy, device=torch.device("cpu")), tok)
+    rollout.sync_weights(0)
+    widths = []
+    rollout.model.model.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    request = left_pad(["12 + 7 =", "3 * 4 ="], tok, torch.device("cpu"))
+    out = rollout.generate(request, SamplingConfig(max_new_tokens=8, temperature=0.0, n_samples_per_prompt=2))
+
+    prompt_len = request.prompt_ids.shape[1]
+    new = out.input_ids.shape[1] - prompt_len
+    assert new > 1, "generation stopped at once; the test sees no decode step"
+    assert widths[0] == prompt_len
+    assert widths[1:] == [1] * (new - 1), widths  # one new token per forward: the cache is used
+    assert policy.config.use_cache is False
+    assert rollout.model.config is not policy.config
