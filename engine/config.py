@@ -81,6 +81,9 @@ class TrainConfig:
     """Aux-loss-free balancing (DeepSeek-V3): per-step update of each expert's routing bias. 0 = off."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward: about 1/3 more compute, far less memory."""
+    compile: bool = False
+    """torch.compile through DeepSpeed (engine.compile()). With the DS config's "compile": {"autoep_non_moe": true}
+    (ZeRO stage 1-2) only the layers around the AutoEP blocks are compiled; routing and experts stay eager."""
 
 
 @dataclass
