@@ -18,8 +18,17 @@ def moe_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 class ExpertBalance:
-    def __init__(self, module: torch.nn.Module, rate: float):
+    """`rows`/`total` (pipeline mode): each local MoE layer's row among all `total` MoE layers of the model. Every
+    rank all-reduces the full (total, experts) table, its own rows filled, so each layer's counts are summed over
+    the ranks that hold it (its stage) and every rank sees every layer's load."""
+
+    def __init__(self, module: torch.nn.Module, rate: float, rows: list[int] | None = None, total: int | None = None,
+                 num_experts: int = 0, device: torch.device | str = "cpu"):
         self.layers = moe_layers(module)
+        self.rows = list(range(len(self.layers))) if rows is None else rows
+        self.total = len(self.layers) if total is None else total
+        self.num_experts = self.layers[0].num_experts if self.layers else num_experts
+        self.device = self.layers[0].tokens_per_expert.device if self.layers else device
         self.rate = rate
         if rate > 0:
             for layer in self.layers:
@@ -33,16 +42,18 @@ class ExpertBalance:
     @torch.no_grad()
     def after_step(self) -> None:
         """Sum this step's expert counts over ranks; update the routing biases; keep counts for logging."""
-        if not self.layers:
+        if not self.total:
             return
-        counts = torch.stack([layer.tokens_per_expert for layer in self.layers]).float()  # (layers, experts)
-        for layer in self.layers:
+        counts = torch.zeros(self.total, self.num_experts, device=self.device)  # (layers, experts)
+        for row, layer in zip(self.rows, self.layers):
+            counts[row] = layer.tokens_per_expert.float()
             layer.tokens_per_expert.zero_()
         if dist.is_initialized():
             dist.all_reduce(counts)
         self._window = counts if self._window is None else self._window + counts
         if self.rate > 0:
-            for layer, load in zip(self.layers, counts):
+            for row, layer in zip(self.rows, self.layers):
+                load = counts[row]
                 bias = layer.router.e_score_correction_bias
                 bias += self.rate * torch.sign(load.mean() - load).to(bias)
 

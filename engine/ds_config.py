@@ -49,6 +49,10 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, ranks_per_node
     pipe = "pipeline" in cfg
     if not pipe and stage not in (1, 2, 3):
         p.append(f"zero_optimization.stage ({stage}) must be 1, 2 or 3")
+    stages = 1
+    if pipe:
+        stages, found = check_pipeline(cfg, recipe, stage)
+        p += found
     if "scheduler" in cfg:
         p.append("scheduler: remove it; the recipe's train.warmup_steps/min_lr_ratio/max_steps drive the LR "
                  "schedule (the optimizer's lr stays in this file)")
@@ -62,18 +66,22 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, ranks_per_node
     if ep and ep.get("enabled"):
         size = ep.get("autoep_size", 1)
         n = recipe.model.num_experts
+        # Expert groups live inside one pipeline stage (DeepSpeed builds them per stage): with a pipeline the
+        # experts are spread over the ranks of a stage, never across stages.
+        group = world_size // stages if world_size % stages == 0 else world_size
+        where_ep = (f"the ranks per pipeline stage ({world_size} ranks / {stages} stages = {group}; experts cannot "
+                    "span pipeline stages)" if pipe else f"the world size ({world_size})")
         if size == "auto":
-            size = auto_autoep_size(n, world_size, ranks_per_node)
+            size = auto_autoep_size(n, group, ranks_per_node)
             ep["autoep_size"] = size
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             p.append(f'expert_parallel.autoep_size ({size!r}) must be a positive integer or "auto"')
         else:
             if n % size:
                 p.append(f"expert_parallel.autoep_size ({size}) must divide model.num_experts ({n}); "
-                         f'use one of {[d for d in range(1, n + 1) if n % d == 0 and world_size % d == 0]} or "auto"')
-            if world_size % size:
-                p.append(f"expert_parallel.autoep_size ({size}) must divide the world size ({world_size}); "
-                         'use "auto" to derive it')
+                         f'use one of {[d for d in range(1, n + 1) if n % d == 0 and group % d == 0]} or "auto"')
+            if group % size:
+                p.append(f"expert_parallel.autoep_size ({size}) must divide {where_ep}; use \"auto\" to derive it")
             ep_size = size
         preset = ep.get("preset_model")
         if preset is not None and preset != recipe.model.arch:
@@ -84,8 +92,7 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, ranks_per_node
     micro = cfg.get("train_micro_batch_size_per_gpu")
     accum = cfg.get("gradient_accumulation_steps", 1)
     total = cfg.get("train_batch_size", "auto")
-    stages = cfg.get("pipeline", {}).get("stages", 1) if pipe else 1
-    dp = world_size // stages if stages and world_size % stages == 0 else None
+    dp = world_size // stages if world_size % stages == 0 else None
     if not isinstance(micro, int) or micro < 1:
         p.append(f"train_micro_batch_size_per_gpu ({micro!r}) must be a positive integer")
     elif not isinstance(accum, int) or accum < 1:
@@ -96,11 +103,50 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, ranks_per_node
         cfg["train_batch_size"] = micro * accum * dp
     elif total != micro * accum * dp:
         p.append(f"train_batch_size ({total}) != train_micro_batch_size_per_gpu ({micro}) x "
-                 f"gradient_accumulation_steps ({accum}) x data-parallel size ({dp}) = {micro * accum * dp}; "
-                 'fix one of them or set train_batch_size to "auto"')
+                 f"gradient_accumulation_steps ({accum}{' micro-batches in the pipeline' if pipe else ''}) x "
+                 f"data-parallel size ({dp}{f' = {world_size} ranks / {stages} stages' if pipe else ''}) = "
+                 f"{micro * accum * dp}; fix one of them or set train_batch_size to \"auto\"")
     if p:
         raise ConfigError(f"{where}: " + "; ".join(p))
     return cfg
+
+
+def check_pipeline(cfg: dict, recipe: Recipe, zero_stage) -> tuple[int, list[str]]:
+    """The pipeline section's problems, and its stage count (1 when it has none usable)."""
+    from .pipeline import MOE_LAYER_PATTERN, PARTITION
+
+    pipe, p = cfg["pipeline"], []
+    if not isinstance(pipe, dict):
+        return 1, [f'pipeline: expected an object like {{"stages": 2}}, got {pipe!r}']
+    stages = pipe.get("stages")
+    layers = recipe.model.num_layers
+    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
+        p.append(f"pipeline.stages ({stages!r}) must be a positive integer (one stage per node suits slow "
+                 "inter-node links)")
+        stages = 1
+    elif stages > layers:
+        p.append(f"pipeline.stages ({stages}) is more than model.num_layers ({layers}): every stage needs at least "
+                 f"one decoder layer; use at most {layers} stages")
+    if zero_stage not in (0, 1):
+        p.append(f"zero_optimization.stage ({zero_stage}) cannot be combined with a pipeline section: DeepSpeed's "
+                 "PipelineEngine supports ZeRO stage 0 or 1; set stage 1, or remove the pipeline section to use "
+                 "ZeRO-2/3 (ds_configs/zero3.json)")
+    part = pipe.get("partition", PARTITION)
+    if part != "uniform" and not (isinstance(part, str) and part.startswith("type:")):
+        p.append(f'pipeline.partition ({part!r}) must be "uniform" or "type:<layer class regex>" (default: '
+                 "balance decoder layers); \"parameters\" would build every stage's layers on every rank")
+    interval = pipe.get("activation_checkpoint_interval", 0)
+    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 0:
+        p.append(f"pipeline.activation_checkpoint_interval ({interval!r}) must be an integer >= 0")
+    ep = cfg.get("expert_parallel") or {}
+    if ep.get("enabled") and ep.get("moe_layer_pattern") != MOE_LAYER_PATTERN:
+        p.append(f"expert_parallel.moe_layer_pattern ({ep.get('moe_layer_pattern')!r}): in pipeline mode the MoE "
+                 f"blocks are named '<layer>.layer.mlp'; set it to {json.dumps(MOE_LAYER_PATTERN)} so AutoEP "
+                 "finds them")
+    if recipe.model.init_from:
+        p.append(f"model.init_from ({recipe.model.init_from}) is not supported in pipeline mode yet; start from "
+                 "random init, or train with ds_configs/zero3.json")
+    return stages, p
 
 
 def uses_expert_parallel(cfg: dict) -> bool:

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from . import checkpoint
+from . import checkpoint, pipeline
 from .balance import ExpertBalance
 from .config import ConfigError, Recipe, load_recipe
 from .data import build_data, load_tokenizer, looks_local, data_files
@@ -79,33 +79,35 @@ def preflight(args: argparse.Namespace, world: World):
 def build(recipe: Recipe, ds: dict, tok, world: World):
     """Data for this rank, the model (partitioned from birth), the DeepSpeed engine."""
     torch.manual_seed(recipe.train.seed)
-    data = build_data(recipe.data, tok, world.rank, world.size, recipe.train.seed)
-    model = build_model(recipe.model, ds, tok, dtype=model_dtype(ds))
-    if recipe.train.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    dp_rank, dp_size = pipeline.data_coords(ds, world.rank, world.size)  # the world itself without a pipeline
+    data = build_data(recipe.data, tok, dp_rank, dp_size, recipe.train.seed)
+    if pipeline.is_pipeline(ds):
+        model = pipeline.build_pipeline(recipe.model, ds, tok, dtype=model_dtype(ds), seed=recipe.train.seed)
+    else:
+        model = build_model(recipe.model, ds, tok, dtype=model_dtype(ds))
+        if recipe.train.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine = build_engine(model, ds, recipe.train)
+    if recipe.train.compile:
+        engine.compile()
     return engine, data
 
 
 def train(recipe: Recipe, engine, data, tok, world: World) -> list[dict]:
-    balance = ExpertBalance(engine.module, recipe.train.balance_rate)
+    balance = ExpertBalance(engine.module, recipe.train.balance_rate, **pipeline.balance_layout(engine))
     state = checkpoint.load(engine, recipe.run_dir) if recipe.resume else {"step": 0, "position": 0, "tokens": 0}
     step, position, tokens = state["step"], state["position"], state["tokens"]
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     tokens_per_step = engine.train_batch_size() * recipe.data.seq_len
-    batches = data.micro_batches(micro, world.rank, world.size, start=position)
+    batches = data.micro_batches(micro, *pipeline.data_coords(engine.config, world.rank, world.size), start=position)
+    train_step = pipeline.train_step if pipeline.is_pipeline(engine.config) else zero_step
     metrics = Metrics(recipe.run_dir, recipe.train.max_steps, step, engine.monitor)
     device = engine.device
     saver = checkpoint.Cadence(recipe.checkpoint, device)  # also: SIGTERM/SIGINT -> save at the next step, stop
     rows, t0, loss_sum, logged = [], time.time(), torch.zeros((), device=device), step
     while step < recipe.train.max_steps:
-        for _ in range(accum):
-            position, ids = next(batches)
-            ids = ids.to(device)  # (micro, seq_len)
-            loss = engine(input_ids=ids, labels=ids).loss  # HF shifts labels inside
-            engine.backward(loss)
-            engine.step()  # DeepSpeed steps the optimizer on the last micro-batch of the accumulation
-            loss_sum += loss.detach() / accum
+        position, loss = train_step(engine, batches, accum, position)
+        loss_sum += loss
         step, tokens = step + 1, tokens + tokens_per_step
         balance.after_step()
         metrics.advance()
@@ -130,6 +132,19 @@ def train(recipe: Recipe, engine, data, tok, world: World) -> list[dict]:
     saver.close()
     metrics.close()
     return rows
+
+
+def zero_step(engine, batches, accum: int, position: int) -> tuple[int, torch.Tensor]:
+    """One optimizer step over `accum` micro-batches; returns the data position and this rank's mean loss."""
+    loss_sum = torch.zeros((), device=engine.device)
+    for _ in range(accum):
+        position, ids = next(batches)
+        ids = ids.to(engine.device)  # (micro, seq_len)
+        loss = engine(input_ids=ids, labels=ids).loss  # HF shifts labels inside
+        engine.backward(loss)
+        engine.step()  # DeepSpeed steps the optimizer on the last micro-batch of the accumulation
+        loss_sum += loss.detach() / accum
+    return position, loss_sum
 
 
 def report_error(e: Exception, world: World) -> None:

@@ -32,10 +32,15 @@ def test_default_recipe_trains_in_this_process(tmp_path):
 @pytest.mark.parametrize("world", [1, 2, 16])
 def test_every_shipped_config_resolves(recipe, ds, world):
     r = load_recipe(recipe)
+    stages = read_ds_config(ds).get("pipeline", {}).get("stages", 1)
+    if world % stages:
+        with pytest.raises(ConfigError, match=rf"pipeline.stages \({stages}\) must divide the world size \({world}\)"):
+            resolve_ds_config(read_ds_config(ds), r, world_size=world, ranks_per_node=min(world, 8))
+        return  # a pipeline needs a rank per stage
     cfg = resolve_ds_config(read_ds_config(ds), r, world_size=world, ranks_per_node=min(world, 8))
-    ep = cfg["expert_parallel"]["autoep_size"]
-    assert r.model.num_experts % ep == 0 and world % ep == 0
-    assert cfg["train_batch_size"] == cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * world
+    ep, dp = cfg["expert_parallel"]["autoep_size"], world // stages  # experts stay inside a pipeline stage
+    assert r.model.num_experts % ep == 0 and dp % ep == 0
+    assert cfg["train_batch_size"] == cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * dp
     assert read_ds_config(ds)["expert_parallel"]["autoep_size"] == "auto"  # the file itself is untouched
 
 
