@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The GPU measurements behind docs/benchmarks.md, in phases that each fit one 10-minute device call.
+# On the H200 machine (no registry access), from the checkout, with .whl/ built by ../shared/tools/offline-wheels.sh:
+#   bash docs/bench/h200_sweep.sh A        # 1 GPU: engine configs vs the plain ZeRO-3 baseline (2.6B recipe)
+#   bash docs/bench/h200_sweep.sh B        # 1 GPU: GRPO on the 2.6B recipe, seed-scale 5.3B under an 80 GB cap
+#   bash docs/bench/h200_sweep.sh C        # 2 GPUs: the same as A on two GPUs (multi-GPU issue)
+# Results: $OUT/bench_<phase>.jsonl (one JSON row per run, the table bin/bench.py prints), logs beside them.
+set -u
+OUT=${OUT:-/tmp/bench_out}
+mkdir -p "$OUT"
+if ! python3 -c "import deepspeed" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
+  export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+fi
+export NCCL_NVLS_ENABLE=0 TORCH_CUDA_ARCH_LIST=9.0   # 9.0a breaks DeepSpeed's op builds (FusedAdam)
+DS="python3 $(command -v deepspeed)"
+REF=engine/recipes/deepseek_2b6.yaml
+
+bench() {  # bench LABEL GPUS TIMEOUT ARGS...: one bin/bench.py run, a row in $OUT/bench_$PHASE.jsonl
+  local label=$1 gpus=$2 limit=$3; shift 3
+  timeout "$limit" $DS --num_gpus "$gpus" bin/bench.py --out "$OUT/bench_$PHASE.jsonl" --label "$label" "$@" \
+    > "$OUT/$label.log" 2>&1
+  echo "$label: exit $? $(grep -m1 -oE 'OutOfMemoryError|Error: .{0,120}' "$OUT/$label.log")"
+}
+
+PHASE=${1:?phase A, B or C}
+case "$PHASE" in
+A)
+  S="--config $REF --steps 10 --warmup 3"
+  bench z3_ep_m8 1 110 $S --deepspeed_config ds_configs/zero3.json --profile 2
+  bench z2_ep_m8 1 90 $S --deepspeed_config ds_configs/zero2.json
+  bench z2_ep_m16 1 90 $S --deepspeed_config ds_configs/zero2.json --micro_batch 16
+  bench z2_ep_m16_compile 1 120 $S --deepspeed_config ds_configs/zero2.json --micro_batch 16 \
+    --set train.compile=true --ds_set compile.autoep_non_moe=true
+  bench z3_plain_m8 1 90 $S --deepspeed_config ds_configs/zero3.json --no_autoep
+  bench z3_plain_m16 1 90 $S --deepspeed_config ds_configs/zero3.json --no_autoep --micro_batch 16
+  ;;
+B)
+  sed 's/every_minutes: 60/every_minutes: 0\n  at_end: false/' engine/recipes/grpo_2b6.yaml > /tmp/grpo_2b6.yaml
+  timeout 200 $DS --num_gpus 1 bin/grpo.py --deepspeed_config ds_configs/zero3_grpo.json --config /tmp/grpo_2b6.yaml \
+    --run_dir /tmp/grpo_2b6 --max_steps 5 > "$OUT/grpo_2b6.log" 2>&1
+  echo "grpo_2b6: exit $?"; cp /tmp/grpo_2b6/metrics.jsonl "$OUT/grpo_2b6_metrics.jsonl" 2>/dev/null
+  S="--config engine/recipes/deepseek_5b3.yaml --steps 6 --warmup 2 --memory_fraction 0.5596"  # 80 GB of 143 GB
+  bench seed_offload_r05 1 150 $S --deepspeed_config ds_configs/zero3.json --micro_batch 4 \
+    --ds_set gradient_accumulation_steps=4 --ds_set zero_optimization.offload_optimizer.device=cpu \
+    --ds_set zero_optimization.offload_optimizer.ratio=0.5 --set train.activation_checkpointing=true
+  bench seed_bf16_states 1 150 $S --deepspeed_config ds_configs/zero3.json --micro_batch 4 \
+    --ds_set bf16.bf16_master_weights_and_grads=true --ds_set bf16.bf16_optimizer_states=true \
+    --set train.activation_checkpointing=true
+  ;;
+C)
+  S="--config $REF --steps 10 --warmup 3"
+  bench z3_ep_m8_2gpu 2 110 $S --deepspeed_config ds_configs/zero3.json
+  bench z2_ep_m16_2gpu 2 110 $S --deepspeed_config ds_configs/zero2.json --micro_batch 16
+  bench z3_plain_m8_2gpu 2 110 $S --deepspeed_config ds_configs/zero3.json --no_autoep
+  ;;
+esac
+python3 -c "import sys; sys.argv=['x']; sys.path.insert(0,'bin'); import json, bench; \
+bench.print_table([json.loads(l) for l in open('$OUT/bench_$PHASE.jsonl')])" 2>/dev/null
