@@ -38,6 +38,7 @@ from pathlib import Path
 
 STATE_FILE = "engine_state.json"  # engine/checkpoint.py
 MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+PIPELINE_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")  # also ZeRO-1/2 runs: refused in _rank_files
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 # AutoEP renames a Hugging Face MoE block's children (deepspeed/module_inject/auto_ep_layer.py): the router
@@ -85,8 +86,9 @@ def find_tag_dir(path: str | Path, tag: str | None) -> Path:
 
 
 def _model_files(d: Path) -> list[Path]:
+    """ZeRO-3's per-rank model-states files, or a pipeline run's per-stage ones (engine/pipeline_export.py)."""
     try:
-        return sorted(f for f in d.iterdir() if MODEL_FILE.match(f.name))
+        return sorted(f for f in d.iterdir() if MODEL_FILE.match(f.name) or PIPELINE_FILE.match(f.name))
     except OSError:
         return []
 
@@ -367,6 +369,8 @@ def _rank_files(tag_dir: Path, state: dict) -> list[_Rank]:
     ranks, mp = {}, set()
     for f in _model_files(tag_dir):
         m = MODEL_FILE.match(f.name)
+        if not m:
+            continue
         ranks[int(m.group(1))] = f
         mp.add(int(m.group(2)))
     if not ranks:
@@ -614,7 +618,10 @@ def export(checkpoint_dir: str | Path, output_dir: str | Path, tag: str | None =
     tag_dir = find_tag_dir(checkpoint_dir, tag).resolve()
     out = Path(output_dir).absolute()
     _check_output(out, tag_dir, force)
-    plan = plan_export(tag_dir, dtype)
+    from .pipeline_export import pipeline_stages, plan_pipeline, write_pipeline
+
+    pipeline = pipeline_stages(tag_dir) > 0  # a pipeline-parallel run (ds_configs/pipe.json)
+    plan = plan_pipeline(tag_dir, dtype) if pipeline else plan_export(tag_dir, dtype)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.export-{os.getpid()}"
@@ -622,7 +629,7 @@ def export(checkpoint_dir: str | Path, output_dir: str | Path, tag: str | None =
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        write_export(plan, tmp, max_bytes, log)
+        (write_pipeline if pipeline else write_export)(plan, tmp, max_bytes, log)
         cfg = plan.hf_config
         cfg.dtype = getattr(torch, DTYPES[dtype])
         cfg.use_cache = True
