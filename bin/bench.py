@@ -36,7 +36,7 @@ from engine.config import ConfigError, load_recipe  # noqa: E402
 from engine.ds_config import read_ds_config, resolve_ds_config  # noqa: E402
 from engine.data import load_tokenizer  # noqa: E402
 from engine.parallel import init_distributed, world_from_env  # noqa: E402
-from engine import pretrain  # noqa: E402
+from engine import pipeline, pretrain  # noqa: E402
 
 PEAK_TFLOPS = 989.0
 
@@ -55,6 +55,7 @@ def model_flops_per_token(engine, cfg, seq_len: int, ep: int) -> tuple[float, fl
         total += n
         if "embed_tokens" not in name:
             active += n
+    total, active = pipeline.sum_over_stages(engine, total, active)  # a pipeline rank holds one stage
     heads = cfg.num_attention_heads
     qk = getattr(cfg, "qk_head_dim", None) or getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     v = getattr(cfg, "v_head_dim", None) or qk
@@ -108,7 +109,7 @@ def main() -> int:
     engine, data = pretrain.build(recipe, ds, tok, world)
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     ep = (ds.get("expert_parallel") or {}).get("autoep_size", 1)
-    batches = data.micro_batches(micro, world.rank, world.size)
+    batches = data.micro_batches(micro, *pipeline.data_coords(ds, world.rank, world.size))
     times = {"fwd": 0.0, "bwd": 0.0, "step": 0.0}
 
     def train_step():
@@ -130,6 +131,10 @@ def main() -> int:
             times["step"] += t3 - t2
         return loss
 
+    if pipeline.is_pipeline(ds):  # train_batch runs the whole schedule: no separate fwd/bwd/step times
+        def train_step():
+            return pipeline.train_step(engine, batches, accum, 0)[1]
+
     for _ in range(args.warmup):
         train_step()
     times = {k: 0.0 for k in times}
@@ -141,15 +146,15 @@ def main() -> int:
     elapsed = time.perf_counter() - t_start
     if args.profile:
         profile(train_step, args.profile, acc.device_name(), f"{args.out}.profile.txt", world.rank)
-    tokens_per_rank = args.steps * micro * accum * recipe.data.seq_len
+    tokens_per_rank = args.steps * engine.train_batch_size() * recipe.data.seq_len / world.size
     flops_tok, total, active = model_flops_per_token(engine, engine.module.config, recipe.data.seq_len, ep)
     tps = tokens_per_rank / elapsed
     row = {"label": args.label, "recipe": Path(args.config or "tiny.yaml").name, "ds_config": Path(args.deepspeed_config).name,
-           "autoep": not args.no_autoep and bool(ds.get("expert_parallel")), "ep": ep, "world": world.size,
+           "autoep": not args.no_autoep and bool(ds.get("expert_parallel")), "ep": ep, "world": world.size, "stages": pipeline.num_stages(ds),
            "micro": micro, "accum": accum, "seq": recipe.data.seq_len, "device": acc.device_name(),
            "params_m": round(total / 1e6, 3), "active_m": round(active / 1e6, 3),
            "tokens_per_s_per_gpu": round(tps), "mfu": float(f"{tps * flops_tok / (PEAK_TFLOPS * 1e12):.4g}"),
-           **{f"{k}_ms": round(1000 * v / args.steps, 1) for k, v in times.items()},
+           **{f"{k}_ms": round(1000 * v / args.steps, 1) if v else None for k, v in times.items()},
            "peak_gib": round(acc.max_memory_allocated() / 2**30, 2), "loss": round(loss.item(), 4),
            "sets": args.set, "ds_sets": args.ds_set, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     if world.rank == 0:

@@ -199,6 +199,15 @@ def balance_layout(engine) -> dict:
             "num_experts": getattr(cfg, "n_routed_experts", None) or cfg.num_experts, "device": engine.device}
 
 
+def sum_over_stages(engine, *values: float) -> tuple[float, ...]:
+    """Per-rank counts (e.g. parameters) summed over the pipeline stages; unchanged without a pipeline."""
+    if not is_pipeline(engine.config):
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=engine.device)
+    torch.distributed.all_reduce(t)  # every stage counted once per data-parallel replica
+    return tuple((t / engine.grid.data_parallel_size).tolist())
+
+
 def train_step(engine, batches, accum: int, position: int) -> tuple[int, torch.Tensor]:
     """One optimizer step of the pipeline: the first and last stages each read `accum` micro-batches (inputs and
     labels are the same token ids; the loss shifts them); the returned loss is the step's mean on every rank."""
