@@ -1,0 +1,258 @@
+"""Pipeline-parallel mode (ds_configs/pipe.json, issue 6) on 2 CPU ranks through the real launcher, 2 stages.
+
+- the same model, seed and global batch give the ZeRO-3 path's losses (and expert loads) over 5 steps;
+- each rank holds only its stage's layers;
+- resuming from a pipeline checkpoint continues with the uninterrupted run's losses;
+- bin/zero_to_fp32 turns a pipeline checkpoint into the Hugging Face layout of ZeRO-3 exports, whose logits are
+  the pipeline engine's;
+- bad pipeline configs stop before any work with one line and exit 2; bin/bench.py accepts pipe.json.
+
+fp32 (the shipped bf16 dropped), so differences are summation order only. Measured on this 2-core CPU: losses
+bitwise equal to ZeRO-3's (ZeRO-3 with expert parallel 2, the pipeline with expert parallel 1 per stage),
+exported logits within 1e-6 of the engine's.
+
+This file is also the helper that gets the pipeline engine's logits: started by the launcher
+(`deepspeed --num_gpus 2 tests/test_pipeline.py --ids IDS --logits OUT --deepspeed_config ... --run_dir RUN`) it
+builds the engine as bin/pretrain.py does, loads RUN's latest checkpoint and saves the last stage's logits.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, env, launch, read_metrics, write_ds
+
+sys.path.insert(0, str(ROOT))
+PRETRAIN = ROOT / "bin" / "pretrain.py"
+PIPE = ROOT / "ds_configs" / "pipe.json"
+LOSS_TOL = 1e-5    # |pipeline - ZeRO-3| per logged step, fp32 (measured: 0)
+LOGIT_TOL = 1e-5   # |exported HF model - pipeline engine| (measured: < 1e-6)
+
+# Three layers: stage 0 = embedding + dense layer 0 + MoE layer 1, stage 1 = MoE layer 2 + norm/head.
+# balance_rate > 0 moves the routing biases, so their per-stage all-reduce and their export are exercised too.
+RECIPE = """
+model: {arch: deepseek_v3, hidden_size: 32, num_layers: 3, first_dense_layers: 1, num_heads: 4,
+        intermediate_size: 64, moe_intermediate_size: 48, num_experts: 4, experts_per_token: 2,
+        num_shared_experts: 1, vocab_size: 512, max_position_embeddings: 128, kv_lora_rank: 16,
+        qk_rope_head_dim: 8, qk_nope_head_dim: 8, v_head_dim: 8}
+data: {seq_len: 32}
+train: {max_steps: 5, warmup_steps: 1, log_every: 1, balance_rate: 0.01}
+checkpoint: {every_steps: 3}
+"""
+
+
+def fixed_ids() -> torch.Tensor:
+    return torch.randint(3, 483, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The same recipe, seed and global batch (4 sequences) as a 2-stage pipeline and as ZeRO-3, on 2 ranks."""
+    tmp = tmp_path_factory.mktemp("pipeline")
+    (tmp / "recipe.yaml").write_text(RECIPE)
+    lines = (ROOT / "engine" / "assets" / "corpus.jsonl").read_text().splitlines()[:200]
+    (tmp / "corpus.jsonl").write_text("\n".join(lines) + "\n")
+    # pipeline: 2 stages x data-parallel 1, 2 micro-batches of 2; ZeRO-3: 2 ranks x 1 micro-batch of 2
+    pipe = write_ds(tmp / "pipe.json", base=PIPE, drop=("bf16",), train_micro_batch_size_per_gpu=2,
+                    gradient_accumulation_steps=2)
+    zero3 = write_ds(tmp / "zero3.json", drop=("bf16",), train_micro_batch_size_per_gpu=2,
+                     gradient_accumulation_steps=1)
+    common = ["--config", tmp / "recipe.yaml", "--data", tmp / "corpus.jsonl"]
+    launch(2, PRETRAIN, "--deepspeed_config", pipe, "--run_dir", tmp / "pipe", *common, cwd=tmp)
+    launch(2, PRETRAIN, "--deepspeed_config", zero3, "--run_dir", tmp / "zero3", *common, cwd=tmp)
+    return {"dir": tmp, "pipe_ds": pipe, "common": common}
+
+
+def test_losses_match_zero3(runs):
+    pipe, zero3 = read_metrics(runs["dir"] / "pipe"), read_metrics(runs["dir"] / "zero3")
+    assert [r["step"] for r in pipe] == [r["step"] for r in zero3] == [1, 2, 3, 4, 5]
+    diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(pipe, zero3))
+    print(f"\nmax |loss pipeline - loss ZeRO-3| over 5 steps: {diff:.3g}; "
+          f"losses {[round(r['loss'], 6) for r in pipe]}")
+    assert diff <= LOSS_TOL
+    assert pipe[-1]["loss"] < pipe[0]["loss"] - 0.2  # it trains
+    # every MoE layer's load, summed over the ranks that hold it, logged on rank 0 (stage 0 holds only one)
+    assert [r["expert_load_max_over_mean"] for r in pipe] == [r["expert_load_max_over_mean"] for r in zero3]
+    assert all(len(r["expert_load_max_over_mean"]) == 2 for r in pipe)
+
+
+def test_each_stage_holds_only_its_layers(runs):
+    tag = runs["dir"] / "pipe" / "checkpoints" / "step_00000005"
+    stage0 = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    stage1 = torch.load(tag / "mp_rank_01_model_states.pt", weights_only=False)["module"]
+    assert {k.split(".")[0] for k in stage0} == {"0", "1", "2"}  # embedding, layers 0 and 1
+    assert {k.split(".")[0] for k in stage1} == {"3", "4"}       # layer 2, norm + head
+    assert sorted(p.name for p in tag.glob("layer_*_expert_*")) == sorted(  # each stage's own MoE layer's experts
+        f"layer_0_expert_{e}_mp_rank_{s:02d}_model_states.pt" for e in range(4) for s in range(2))
+
+
+def test_resume_continues_like_the_uninterrupted_run(runs, tmp_path):
+    run = tmp_path / "resumed"
+    shutil.copytree(runs["dir"] / "pipe", run)
+    shutil.rmtree(run / "checkpoints" / "step_00000005")
+    (run / "checkpoints" / "latest").write_text("step_00000003")
+    rows = read_metrics(run)[:3]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    launch(2, PRETRAIN, "--deepspeed_config", runs["pipe_ds"], "--run_dir", run, "--resume", *runs["common"],
+           cwd=tmp_path)
+    resumed, straight = read_metrics(run)[3:], read_metrics(runs["dir"] / "pipe")[3:]
+    assert [r["step"] for r in resumed] == [4, 5]
+    for a, b in zip(resumed, straight):  # CPU: bitwise, as ZeRO-3 resumes (tests/test_resume.py)
+        assert (a["loss"], a["expert_load_max_over_mean"]) == (b["loss"], b["expert_load_max_over_mean"])
+
+
+@pytest.fixture(scope="module")
+def engine_probe(runs):
+    """The pipeline engine's logits for fixed ids after loading the run's last checkpoint, and each rank's
+    parameter count."""
+    tmp = runs["dir"]
+    torch.save(fixed_ids(), tmp / "ids.pt")
+    launch(2, Path(__file__), "--ids", tmp / "ids.pt", "--logits", tmp / "logits.pt", "--deepspeed_config",
+           runs["pipe_ds"], "--run_dir", tmp / "pipe", *runs["common"], cwd=tmp)
+    counts = [json.loads((tmp / f"params_rank{r}.json").read_text()) for r in range(2)]
+    return {"logits": torch.load(tmp / "logits.pt"), "params": counts}
+
+
+def zero_to_fp32(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "bin" / "zero_to_fp32"), *map(str, args)], env=env(),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_export_gives_the_engines_logits(runs, engine_probe, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out, ref = tmp_path / "hf", tmp_path / "hf_zero3"
+    for run, dest in ((runs["dir"] / "pipe", out), (runs["dir"] / "zero3", ref)):
+        p = zero_to_fp32(run, dest)
+        assert p.returncode == 0, p.stdout + p.stderr
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=fixed_ids()).logits
+    diff = (logits - engine_probe["logits"]).abs().max().item()
+    print(f"\nmax |logits exported HF model - pipeline engine| = {diff:.3g}")
+    assert logits.shape == engine_probe["logits"].shape and diff <= LOGIT_TOL
+
+    # The same layout as a ZeRO-3 export (keys, shapes, dtypes); after 5 identical-loss steps, nearly the same values.
+    ours = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
+    theirs = {k: v for f in ref.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert {k: (v.shape, v.dtype) for k, v in ours.items()} == {k: (v.shape, v.dtype) for k, v in theirs.items()}
+    assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) < 1e-4
+    assert ours["model.layers.2.mlp.gate.e_score_correction_bias"].abs().sum() > 0  # stage 1's routing bias moved
+
+    # No rank holds another stage's layers: the ranks' parameters add up to the model's, each rank's to less.
+    with torch.device("meta"):
+        total = sum(t.numel() for t in AutoModelForCausalLM.from_config(model.config).parameters())
+    assert sum(engine_probe["params"]) == total and max(engine_probe["params"]) < total
+
+
+def test_export_refuses_a_checkpoint_missing_an_expert_file(runs, tmp_path):
+    tag = tmp_path / "copy"
+    shutil.copytree(runs["dir"] / "pipe" / "checkpoints" / "step_00000005", tag)
+    (tag / "layer_0_expert_2_mp_rank_01_model_states.pt").unlink()
+    p = zero_to_fp32(tag, tmp_path / "out")
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), p.stderr
+    assert "layer_0_expert_2_mp_rank_01_model_states.pt is missing" in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------------------------- bad input
+
+BAD = {  # case: (world size, changes to pipe.json, what the line must say); the embedded 2-layer recipe
+    "more_stages_than_layers": (3, {"pipeline": {"stages": 3}},
+                                ["pipeline.stages (3) is more than model.num_layers (2)", "at most 2 stages"]),
+    "zero3_with_pipeline": (2, {"zero_optimization": {"stage": 3}},
+                            ["zero_optimization.stage (3) cannot be combined with a pipeline", "stage 1"]),
+    "micro_batches_do_not_divide_the_batch": (2, {"train_batch_size": 6},
+                                              ["train_batch_size (6) != train_micro_batch_size_per_gpu (4)",
+                                               "gradient_accumulation_steps (4 micro-batches in the pipeline)",
+                                               "data-parallel size (1 = 2 ranks / 2 stages) = 16"]),
+    "stages_do_not_divide_the_world": (3, {}, ["pipeline.stages (2) must divide the world size (3)"]),
+    "experts_across_stages": (2, {"expert_parallel": {"enabled": True, "autoep_size": 2,
+                                                      "moe_layer_pattern": "\\d+\\.layer\\.mlp"}},
+                              ["expert_parallel.autoep_size (2) must divide the ranks per pipeline stage",
+                               "experts cannot span pipeline stages"]),
+    "autoep_pattern_missing": (2, {"expert_parallel": {"enabled": True, "autoep_size": "auto"}},
+                               ["expert_parallel.moe_layer_pattern (None)", '"\\\\d+\\\\.layer\\\\.mlp"']),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_pipeline_config_is_one_line_and_exit_2(tmp_path, case):
+    world, changes, expect = BAD[case]
+    ds = write_ds(tmp_path / "ds.json", base=PIPE, **changes)
+    cmd = [sys.executable, str(PRETRAIN), "--deepspeed_config", str(ds), "--run_dir", str(tmp_path / "run")]
+    e = env(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world), LOCAL_SIZE=str(world))
+    p = subprocess.run(cmd, cwd=tmp_path, env=e, capture_output=True, text=True, timeout=120)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), p.stderr[-2000:]
+    for text in expect:
+        assert text in lines[0], lines[0]
+    assert not (tmp_path / "run").exists()  # stopped before any work
+
+
+# ----------------------------------------------------------------------------------------------- bench
+
+
+def test_bench_accepts_the_pipeline_config(tmp_path):
+    """bin/bench.py with pipe.json as shipped (bf16) on 2 ranks, on Qwen3-MoE (the other architecture)."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.config import RECIPES, load_recipe
+    from engine.data import load_tokenizer
+    from engine.model import make_hf_config
+
+    out = tmp_path / "bench.jsonl"
+    recipe = RECIPES / "tiny_qwen3.yaml"
+    p = launch(2, ROOT / "bin" / "bench.py", "--deepspeed_config", PIPE, "--config", recipe, "--steps", "2",
+               "--warmup", "1", "--out", out, cwd=tmp_path)
+    row = json.loads(out.read_text())
+    assert (row["world"], row["stages"], row["ds_config"]) == (2, 2, "pipe.json")
+    r = load_recipe(recipe)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(make_hf_config(r.model, load_tokenizer(r.data.tokenizer)))
+    assert row["params_m"] == round(sum(t.numel() for t in hf.parameters()) / 1e6, 3)  # both stages counted
+    assert row["tokens_per_s_per_gpu"] > 0 and 0 < row["mfu"] < 1 and row["loss"] > 0
+    assert "tokens_per_s_per_gpu" in p.stdout  # the table
+
+
+# ------------------------------------------------------------------------------- helper: the engine's logits
+
+
+def dump_engine_logits() -> None:
+    """Launcher entry: build the pipeline engine, load the run's latest checkpoint, save the last stage's logits
+    for --ids and each rank's parameter count."""
+    import argparse
+
+    from engine import checkpoint, pretrain
+    from engine.parallel import init_distributed, world_from_env
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ids", required=True)
+    ap.add_argument("--logits", required=True)
+    own, rest = ap.parse_known_args()
+    args = pretrain.parse_args(rest)
+    world = world_from_env()
+    recipe, ds, tok = pretrain.preflight(args, world)
+    init_distributed()
+    engine, _ = pretrain.build(recipe, ds, tok, world)
+    checkpoint.load(engine, recipe.run_dir)
+    ids = torch.load(own.ids)
+    _, logits = engine.eval_batch(iter([(ids, ids)]), return_logits=True, num_micro_batches=1)
+    count = sum(p.numel() for p in engine.module.parameters())
+    Path(own.logits).with_name(f"params_rank{world.rank}.json").write_text(json.dumps(count))
+    if engine.is_last_stage():
+        torch.save(logits.float().cpu(), own.logits)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    dump_engine_logits()
