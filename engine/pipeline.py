@@ -119,9 +119,11 @@ def hf_key(name: str, num_layers: int) -> str:
 
 
 def build_pipeline(m: ModelConfig, ds: dict, tokenizer=None, dtype: torch.dtype = torch.float32, seed: int = 0,
-                   hf_config=None):
+                   activation_checkpointing: bool = False, hf_config=None):
     """The PipelineModule for this rank: only its own stage's layers exist, initialized as the ZeRO-3 path
-    initializes the whole model from `seed`."""
+    initializes the whole model from `seed`. Activation checkpointing (the recipe's train.activation_checkpointing)
+    recomputes every decoder layer in backward unless the DS config's pipeline.activation_checkpoint_interval
+    sets another interval."""
     import torch._dynamo  # noqa: F401  (as engine/model.py)
     from deepspeed.accelerator import get_accelerator
     from deepspeed.pipe import LayerSpec, PipelineModule
@@ -139,9 +141,11 @@ def build_pipeline(m: ModelConfig, ds: dict, tokenizer=None, dtype: torch.dtype 
     specs = ([LayerSpec(Embed, base.embed_tokens, full.config)]
              + [LayerSpec(DecoderLayerPipe, layer, rotary_cls, full.config) for layer in base.layers]
              + [LayerSpec(Head, base.norm, full.lm_head, full.config)])
+    interval = int(pipe_cfg.get("activation_checkpoint_interval", 0)) or int(activation_checkpointing)
     module = PipelineModule(specs, num_stages=int(pipe_cfg["stages"]), loss_fn=causal_lm_loss,
                             partition_method=pipe_cfg.get("partition", PARTITION),
-                            activation_checkpoint_interval=int(pipe_cfg.get("activation_checkpoint_interval", 0)))
+                            activation_checkpoint_interval=interval,
+                            checkpointable_layers=["DecoderLayerPipe"])  # recomputing Embed would lose its grads
     module.config = full.config  # AutoEP reads num_experts / top_k / routing from model.config
     module.moe_layer_ids = [i for i, layer in enumerate(base.layers) if hasattr(layer.mlp, "experts")]
     module.to(get_accelerator().device_name())

@@ -82,7 +82,8 @@ def build(recipe: Recipe, ds: dict, tok, world: World):
     dp_rank, dp_size = pipeline.data_coords(ds, world.rank, world.size)  # the world itself without a pipeline
     data = build_data(recipe.data, tok, dp_rank, dp_size, recipe.train.seed)
     if pipeline.is_pipeline(ds):
-        model = pipeline.build_pipeline(recipe.model, ds, tok, dtype=model_dtype(ds), seed=recipe.train.seed)
+        model = pipeline.build_pipeline(recipe.model, ds, tok, dtype=model_dtype(ds), seed=recipe.train.seed,
+                                        activation_checkpointing=recipe.train.activation_checkpointing)
     else:
         model = build_model(recipe.model, ds, tok, dtype=model_dtype(ds))
         if recipe.train.activation_checkpointing:
