@@ -125,7 +125,6 @@ def build_pipeline(m: ModelConfig, ds: dict, tokenizer=None, dtype: torch.dtype 
     recomputes every decoder layer in backward unless the DS config's pipeline.activation_checkpoint_interval
     sets another interval."""
     import torch._dynamo  # noqa: F401  (as engine/model.py)
-    from deepspeed.accelerator import get_accelerator
     from deepspeed.pipe import LayerSpec, PipelineModule
     from transformers import AutoModelForCausalLM
 
@@ -148,7 +147,6 @@ def build_pipeline(m: ModelConfig, ds: dict, tokenizer=None, dtype: torch.dtype 
                             checkpointable_layers=["DecoderLayerPipe"])  # recomputing Embed would lose its grads
     module.config = full.config  # AutoEP reads num_experts / top_k / routing from model.config
     module.moe_layer_ids = [i for i, layer in enumerate(base.layers) if hasattr(layer.mlp, "experts")]
-    module.to(get_accelerator().device_name())
 
     # Which meta modules this rank holds for real: the templates its stage's layers were copied from.
     owned: dict[int, nn.Module] = {}

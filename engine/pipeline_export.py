@@ -69,7 +69,10 @@ def plan_pipeline(tag_dir: Path, dtype: str = "fp32") -> PipelinePlan:
         autoep = ms.get("ds_autoep_layers") or []
         moe_paths += [e["module_path"] for e in autoep]
         if ms.get("module") is not None:
-            dense.update(ms["module"])
+            # Under ZeRO, param_shapes + buffer_names name each tensor once: the module state also holds aliases
+            # (AutoEP's Qwen3 layer exposes its router again as `mlp.gate` for transformers' output recorders).
+            named = {n for g in ms.get("param_shapes") or [] for n in g} | set(ms.get("buffer_names") or [])
+            dense.update({k: v for k, v in ms["module"].items() if not named or k in named})
         for m, e in enumerate(autoep):
             _read_experts(tag_dir, s, m, e, experts)
             ranks = (e.get("expert_placement") or {}).get("ranks") or [

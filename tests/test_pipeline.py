@@ -3,8 +3,8 @@
 - the same model, seed and global batch give the ZeRO-3 path's losses (and expert loads) over 5 steps;
 - each rank holds only its stage's layers;
 - resuming from a pipeline checkpoint continues with the uninterrupted run's losses;
-- bin/zero_to_fp32 turns a pipeline checkpoint into the Hugging Face layout of ZeRO-3 exports, whose logits are
-  the pipeline engine's;
+- bin/zero_to_fp32 turns a pipeline checkpoint (DeepSeek-V3 and Qwen3-MoE) into the Hugging Face layout of
+  ZeRO-3 exports, whose logits are the pipeline engine's;
 - bad pipeline configs stop before any work with one line and exit 2; bin/bench.py accepts pipe.json.
 
 fp32 (the shipped bf16 dropped), so differences are summation order only. Measured on this 2-core CPU: losses
@@ -45,6 +45,13 @@ model: {arch: deepseek_v3, hidden_size: 32, num_layers: 3, first_dense_layers: 1
 data: {seq_len: 32}
 train: {max_steps: 5, warmup_steps: 1, log_every: 1, balance_rate: 0.01}
 checkpoint: {every_steps: 3}
+"""
+QWEN = """
+model: {arch: qwen3_moe, hidden_size: 32, num_layers: 2, num_heads: 4, num_kv_heads: 2, intermediate_size: 64,
+        moe_intermediate_size: 48, num_experts: 4, experts_per_token: 2, vocab_size: 512,
+        max_position_embeddings: 128}
+data: {seq_len: 32}
+train: {max_steps: 3, warmup_steps: 1, log_every: 1}
 """
 
 
@@ -108,16 +115,30 @@ def test_resume_continues_like_the_uninterrupted_run(runs, tmp_path):
         assert (a["loss"], a["expert_load_max_over_mean"]) == (b["loss"], b["expert_load_max_over_mean"])
 
 
-@pytest.fixture(scope="module")
-def engine_probe(runs):
-    """The pipeline engine's logits for fixed ids after loading the run's last checkpoint, and each rank's
-    parameter count."""
-    tmp = runs["dir"]
+def probe(tmp: Path, ds: Path, run: Path, common: list) -> dict:
+    """The pipeline engine's logits for fixed ids after loading `run`'s last checkpoint, each rank's parameter
+    count."""
     torch.save(fixed_ids(), tmp / "ids.pt")
-    launch(2, Path(__file__), "--ids", tmp / "ids.pt", "--logits", tmp / "logits.pt", "--deepspeed_config",
-           runs["pipe_ds"], "--run_dir", tmp / "pipe", *runs["common"], cwd=tmp)
+    launch(2, Path(__file__), "--ids", tmp / "ids.pt", "--logits", tmp / "logits.pt", "--deepspeed_config", ds,
+           "--run_dir", run, *common, cwd=tmp)
     counts = [json.loads((tmp / f"params_rank{r}.json").read_text()) for r in range(2)]
-    return {"logits": torch.load(tmp / "logits.pt"), "params": counts}
+    return {"run": run, "logits": torch.load(tmp / "logits.pt"), "params": counts}
+
+
+@pytest.fixture(scope="module")
+def deepseek_probe(runs):
+    return probe(runs["dir"], runs["pipe_ds"], runs["dir"] / "pipe", runs["common"])
+
+
+@pytest.fixture(scope="module")
+def qwen_probe(runs):
+    """Qwen3-MoE through the same path (AutoEP's Qwen3 layer also exposes its router as `mlp.gate`)."""
+    tmp = runs["dir"] / "qwen"
+    tmp.mkdir()
+    (tmp / "recipe.yaml").write_text(QWEN)
+    common = ["--config", tmp / "recipe.yaml", "--data", runs["dir"] / "corpus.jsonl"]
+    launch(2, PRETRAIN, "--deepspeed_config", runs["pipe_ds"], "--run_dir", tmp / "pipe", *common, cwd=tmp)
+    return probe(tmp, runs["pipe_ds"], tmp / "pipe", common)
 
 
 def zero_to_fp32(*args) -> subprocess.CompletedProcess:
@@ -125,20 +146,34 @@ def zero_to_fp32(*args) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
-def test_export_gives_the_engines_logits(runs, engine_probe, tmp_path):
-    from safetensors.torch import load_file
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
+def test_export_gives_the_engines_logits(arch, request, tmp_path):
     from transformers import AutoModelForCausalLM
+
+    engine = request.getfixturevalue("deepseek_probe" if arch == "deepseek_v3" else "qwen_probe")
+    out = tmp_path / "hf"
+    p = zero_to_fp32(engine["run"], out)
+    assert p.returncode == 0, p.stdout + p.stderr
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=fixed_ids()).logits
+    diff = (logits - engine["logits"]).abs().max().item()
+    print(f"\n{arch}: max |logits exported HF model - pipeline engine| = {diff:.3g}")
+    assert logits.shape == engine["logits"].shape and diff <= LOGIT_TOL
+
+    # No rank holds another stage's layers: the ranks' parameters add up to the model's, each rank's to less.
+    with torch.device("meta"):
+        total = sum(t.numel() for t in AutoModelForCausalLM.from_config(model.config).parameters())
+    assert sum(engine["params"]) == total and max(engine["params"]) < total
+
+
+def test_export_has_the_layout_of_a_zero3_export(runs, tmp_path):
+    from safetensors.torch import load_file
 
     out, ref = tmp_path / "hf", tmp_path / "hf_zero3"
     for run, dest in ((runs["dir"] / "pipe", out), (runs["dir"] / "zero3", ref)):
         p = zero_to_fp32(run, dest)
         assert p.returncode == 0, p.stdout + p.stderr
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(input_ids=fixed_ids()).logits
-    diff = (logits - engine_probe["logits"]).abs().max().item()
-    print(f"\nmax |logits exported HF model - pipeline engine| = {diff:.3g}")
-    assert logits.shape == engine_probe["logits"].shape and diff <= LOGIT_TOL
 
     # The same layout as a ZeRO-3 export (keys, shapes, dtypes); after 5 identical-loss steps, nearly the same values.
     ours = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
@@ -146,11 +181,6 @@ def test_export_gives_the_engines_logits(runs, engine_probe, tmp_path):
     assert {k: (v.shape, v.dtype) for k, v in ours.items()} == {k: (v.shape, v.dtype) for k, v in theirs.items()}
     assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) < 1e-4
     assert ours["model.layers.2.mlp.gate.e_score_correction_bias"].abs().sum() > 0  # stage 1's routing bias moved
-
-    # No rank holds another stage's layers: the ranks' parameters add up to the model's, each rank's to less.
-    with torch.device("meta"):
-        total = sum(t.numel() for t in AutoModelForCausalLM.from_config(model.config).parameters())
-    assert sum(engine_probe["params"]) == total and max(engine_probe["params"]) < total
 
 
 def test_export_refuses_a_checkpoint_missing_an_expert_file(runs, tmp_path):
