@@ -142,7 +142,8 @@ def save(engine, recipe: Recipe, state: dict, tokenizer=None) -> Path:
         torch.save(_persistent_buffers(engine.module), root / tag / BUFFERS)
         (root / tag / STATE_FILE).write_text(json.dumps({
             **state, "world_size": dist.get_world_size(), "micro_batch": engine.train_micro_batch_size_per_gpu(),
-            "autoep_size": ep_size(engine.config), "recipe": recipe.to_dict()}, indent=1))
+            "autoep_size": ep_size(engine.config), "pipeline_stages": engine.config.get("pipeline", {}).get("stages", 0),
+            "recipe": recipe.to_dict()}, indent=1))
         if tokenizer is not None:
             tokenizer.save_pretrained(root / tag / "tokenizer")
     dist.barrier()  # every rank has written its shards
@@ -227,11 +228,17 @@ def check_resume(recipe: Recipe, ds: dict, world_size: int, rank: int = 0) -> tu
                         f"recipe it was trained with (its {STATE_FILE} holds it) or use another run_dir")
     micro = ds.get("train_micro_batch_size_per_gpu", 1)
     universal = bool((ds.get("checkpoint") or {}).get("load_universal"))
-    if saved.get("world_size", world_size) != world_size or saved.get("autoep_size", ep_size(ds)) != ep_size(ds):
+    stages = (ds.get("pipeline") or {}).get("stages", 0)
+    if saved.get("pipeline_stages", 0) != stages:  # the layouts differ (engine/pipeline_export.py): no conversion
+        mode = lambda n: f"{n} pipeline stages" if n else "no pipeline"  # noqa: E731
+        problems.append(f"--resume: checkpoint {where} was saved with {mode(saved.get('pipeline_stages', 0))}, the "
+                        f"DeepSpeed config has {mode(stages)}; resume with the DS config it was trained with")
+    elif saved.get("world_size", world_size) != world_size or saved.get("autoep_size", ep_size(ds)) != ep_size(ds):
         universal = True
         if "pipeline" in ds:
-            problems.append(f"--resume: checkpoint {where} was saved on {saved['world_size']} ranks; pipeline "
-                            f"mode resumes only on the same world size ({world_size} now)")
+            problems.append(f"--resume: checkpoint {where} was saved on {saved['world_size']} ranks with autoep_size "
+                            f"{saved.get('autoep_size')}; pipeline mode resumes only on the same world size and "
+                            f"autoep_size ({world_size} and {ep_size(ds)} now)")
     if resume_position(saved, micro, world_size) is None:
         problems.append(f"--resume: checkpoint {where} consumed {saved['position']} micro-batches of "
                         f"{saved['micro_batch']} x {saved['world_size']} ranks, which is not a whole number of "

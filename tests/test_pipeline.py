@@ -229,6 +229,23 @@ def test_bad_pipeline_config_is_one_line_and_exit_2(tmp_path, case):
     assert not (tmp_path / "run").exists()  # stopped before any work
 
 
+@pytest.mark.parametrize("other", ["zero3", "world"])
+def test_resume_refuses_another_mode_or_world(runs, tmp_path, other):
+    """A pipeline checkpoint resumed as ZeRO-3, or on another world size: one line, exit 2, checkpoint untouched."""
+    ds = write_ds(tmp_path / "zero3.json", drop=("bf16",)) if other == "zero3" else runs["pipe_ds"]
+    world = 2 if other == "zero3" else 4
+    cmd = [sys.executable, str(PRETRAIN), "--deepspeed_config", str(ds), "--run_dir", str(runs["dir"] / "pipe"),
+           "--resume", *map(str, runs["common"])]
+    e = env(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world), LOCAL_SIZE=str(world))
+    before = sorted((runs["dir"] / "pipe" / "checkpoints").rglob("*"))
+    p = subprocess.run(cmd, cwd=tmp_path, env=e, capture_output=True, text=True, timeout=120)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: --resume: "), p.stderr[-2000:]
+    assert ("saved with 2 pipeline stages, the DeepSpeed config has no pipeline" if other == "zero3"
+            else "pipeline mode resumes only on the same world size") in lines[0]
+    assert sorted((runs["dir"] / "pipe" / "checkpoints").rglob("*")) == before
+
+
 # ----------------------------------------------------------------------------------------------- bench
 
 
