@@ -115,6 +115,9 @@ def preflight(args, world: World):
     g = recipe.grpo
     per_rank = ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
     problems = loss_config(g).validate()
+    if "pipeline" in ds:
+        problems.append(f"DeepSpeed config {args.deepspeed_config}: GRPO runs on ZeRO configs (zero3_grpo.json), not "
+                        "pipeline stages; a pipeline run's checkpoint can still be its --init_from")
     if per_rank % g.group_size:
         problems.append(f"grpo.group_size ({g.group_size}) must divide train_micro_batch_size_per_gpu x "
                         f"gradient_accumulation_steps ({per_rank}): each rank's batch is whole groups")
@@ -135,10 +138,15 @@ def preflight(args, world: World):
                 problems.append(f"{name} row {i}: prompt of {n} tokens + grpo.max_new_tokens {g.max_new_tokens} "
                                 f"exceeds the context ({limit}); shorten it or lower max_new_tokens")
                 break
-    if recipe.resume and checkpoint.latest(recipe.run_dir) is None:
-        problems.append(f"--resume: no checkpoint in {recipe.run_dir}/checkpoints")
+    if recipe.resume:  # as in pretraining: checked, and converted to the universal format on a new shape
+        found, universal = checkpoint.check_resume(recipe, ds, world.size, world.rank)
+        problems += found
+        if universal:
+            ds.setdefault("checkpoint", {})["load_universal"] = True
     if problems:
         raise ConfigError("; ".join(problems))
+    if recipe.resume and ds.get("checkpoint", {}).get("load_universal") and world.rank == 0:
+        checkpoint.to_universal(recipe.run_dir)  # the other ranks wait for rank 0 in init_distributed
     return recipe, ds, tok, prompts, evals, rewards, init
 
 
@@ -224,6 +232,9 @@ def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | No
     device, micro = policy.device, policy.train_micro_batch_size_per_gpu()
     n_seq = micro * policy.gradient_accumulation_steps()  # sequences per rank per step
     n_prompts = n_seq // g.group_size
+    # The data position counts micro-batches per rank, as in pretraining, so checkpoint.load converts it to this
+    # world size; here it becomes prompts consumed over all ranks.
+    done = state["position"] * micro * world.size // g.group_size
     order = np.random.default_rng(recipe.train.seed).permutation(len(prompts))
     metrics = Metrics(recipe.run_dir, recipe.train.max_steps, step, policy.monitor)
     saver = checkpoint.Cadence(recipe.checkpoint, device)  # also: SIGTERM/SIGINT -> save at the next step, stop
@@ -237,8 +248,9 @@ def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | No
         metrics.log(row)
         rows.append(row)
     while step < recipe.train.max_steps:
-        # 1. Prompts for this rank: global positions step*P*W + rank*P + [0, P), the same on any world size.
-        start = step * n_prompts * world.size + world.rank * n_prompts
+        # 1. Prompts for this rank: global positions done + rank*P + [0, P); one global order on any world size.
+        start = done + world.rank * n_prompts
+        done += n_prompts * world.size
         batch_rows = [prompts[order[(start + i) % len(prompts)]] for i in range(n_prompts)]
         t0 = time.time()
         rollout.sync_weights(step)
@@ -306,7 +318,8 @@ def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | No
         rows.append(row)
         save, stop = saver.due(step, recipe.train.max_steps)
         if save:
-            checkpoint.save(policy, recipe, {"step": step, "position": step, "tokens": 0}, tok)
+            checkpoint.save(policy, recipe, {"step": step, "position": done * g.group_size // (micro * world.size),
+                                             "tokens": 0}, tok)
         if stop:
             print0(f"stopped by signal {saver.signal} after step {step}; saved, continue with --resume")
             break

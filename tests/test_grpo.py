@@ -9,6 +9,7 @@ tests/scripts/grpo_probe.py runs engine.grpo.train itself and records logits, sh
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -340,3 +341,51 @@ def test_grpo_saves_checkpoints_on_the_configured_cadence(flaky_run):
     ck = d / "run" / "checkpoints"
     assert (ck / "latest").read_text() == "step_00000002"
     assert sorted(x.name for x in ck.iterdir() if x.is_dir()) == ["step_00000002"]  # every_steps 0: the end only
+
+
+RESUME_RECIPE = """
+data: {path: PROMPTS}
+train: {max_steps: 4, lr: 1.0e-3, warmup_steps: 0, log_every: 1}
+grpo: {group_size: 4, max_new_tokens: 6, temperature: 0.7, beta: 0.04,
+       rewards: [{name: numeric, which: first}, {name: length_penalty, target: 3, scale: 0.1}]}
+checkpoint: {every_steps: 2, keep_last: 2, at_end: false}
+"""
+
+
+def test_resumed_grpo_equals_an_uninterrupted_run(pretrained):
+    """2 ranks, fp32: 4 steps straight, saving at step 2; then the run is put back to that checkpoint (as after a
+    crash) and resumed. The checkpoint carries the policy, optimizer, LR schedule, each rank's RNG (sampling) and
+    the prompt position; the reference engine is rebuilt from --init_from."""
+    d = pretrained / "resume"
+    d.mkdir()
+    rows = [json.loads(line) for line in (ASSETS / "arith_train.jsonl").read_text().splitlines()[:6]]
+    (d / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "grpo.yaml").write_text(RESUME_RECIPE.replace("PROMPTS", str(d / "prompts.jsonl")))
+    common = ["--deepspeed_config", grpo_ds(d / "ds.json", True), "--config", d / "grpo.yaml",
+              "--init_from", pretrained / "hf"]
+    run_launcher(2, GRPO, *common, "--run_dir", d / "straight", cwd=d)
+    shutil.copytree(d / "straight", d / "split")
+    ck = d / "split" / "checkpoints"
+    assert (ck / "latest").read_text().strip() == "step_00000004"
+    shutil.rmtree(ck / "step_00000004")
+    (ck / "latest").write_text("step_00000002")
+    lines = (d / "split" / "metrics.jsonl").read_text().splitlines()
+    (d / "split" / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n")
+    run_launcher(2, GRPO, *common, "--run_dir", d / "split", "--resume", cwd=d)
+    keys = ("step", "reward", "reward_std", "loss", "kl", "entropy", "response_len", "lr")
+    straight = [{k: r[k] for k in keys} for r in read_metrics(d / "straight")]
+    split = [{k: r[k] for k in keys} for r in read_metrics(d / "split")]
+    assert [r["step"] for r in straight] == [1, 2, 3, 4]
+    assert split == straight  # bitwise: the resumed steps sample and learn exactly as the uninterrupted ones
+
+
+def test_pipeline_config_is_refused_before_any_work(tmp_path):
+    """GRPO needs the ZeRO engine (rollout copies, reference shards): pipe.json gets one line and exit 2."""
+    cmd = [sys.executable, str(GRPO), "--deepspeed_config", str(ROOT / "ds_configs" / "pipe.json"),
+           "--run_dir", str(tmp_path / "run")]
+    p = subprocess.run(cmd, cwd=ROOT, env=env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_SIZE="2"),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "GRPO runs on ZeRO configs" in errors[0], p.stderr
+    assert not (tmp_path / "run").exists()
