@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from conftest import ROOT, env, launch, read_metrics, write_ds
+from test_export import QWEN, fixed_ids  # the same Qwen3 model and probe ids as the ZeRO-3 export tests
 
 sys.path.insert(0, str(ROOT))
 PRETRAIN = ROOT / "bin" / "pretrain.py"
@@ -46,17 +47,6 @@ data: {seq_len: 32}
 train: {max_steps: 5, warmup_steps: 1, log_every: 1, balance_rate: 0.01}
 checkpoint: {every_steps: 3}
 """
-QWEN = """
-model: {arch: qwen3_moe, hidden_size: 32, num_layers: 2, num_heads: 4, num_kv_heads: 2, intermediate_size: 64,
-        moe_intermediate_size: 48, num_experts: 4, experts_per_token: 2, vocab_size: 512,
-        max_position_embeddings: 128}
-data: {seq_len: 32}
-train: {max_steps: 3, warmup_steps: 1, log_every: 1}
-"""
-
-
-def fixed_ids() -> torch.Tensor:
-    return torch.randint(3, 483, (2, 24), generator=torch.Generator().manual_seed(0))
 
 
 @pytest.fixture(scope="module")
