@@ -111,8 +111,10 @@ def main() -> int:
     ep = (ds.get("expert_parallel") or {}).get("autoep_size", 1)
     batches = data.micro_batches(micro, *pipeline.data_coords(ds, world.rank, world.size))
     times = {"fwd": 0.0, "bwd": 0.0, "step": 0.0}
+    losses = []  # mean loss of every optimizer step, warmup included (tuned vs untuned runs compare these)
 
     def train_step():
+        total = 0.0
         for _ in range(accum):
             _, ids = next(batches)
             ids = ids.to(engine.device)
@@ -129,11 +131,15 @@ def main() -> int:
             times["fwd"] += t1 - t0
             times["bwd"] += t2 - t1
             times["step"] += t3 - t2
+            total += loss.item()
+        losses.append(total / accum)
         return loss
 
     if pipeline.is_pipeline(ds):  # train_batch runs the whole schedule: no separate fwd/bwd/step times
         def train_step():
-            return pipeline.train_step(engine, batches, accum, 0)[1]
+            loss = pipeline.train_step(engine, batches, accum, 0)[1]
+            losses.append(float(loss))
+            return loss
 
     for _ in range(args.warmup):
         train_step()
@@ -156,7 +162,7 @@ def main() -> int:
            "tokens_per_s_per_gpu": round(tps), "mfu": float(f"{tps * flops_tok / (PEAK_TFLOPS * 1e12):.4g}"),
            **{f"{k}_ms": round(1000 * v / args.steps, 1) if v else None for k, v in times.items()},
            "peak_gib": round(acc.max_memory_allocated() / 2**30, 2), "loss": round(loss.item(), 4),
-           "sets": args.set, "ds_sets": args.ds_set, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+           "losses": [round(x, 4) for x in losses[:args.warmup + args.steps]], "sets": args.set, "ds_sets": args.ds_set, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     if world.rank == 0:
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")
