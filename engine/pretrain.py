@@ -85,7 +85,11 @@ def build(recipe: Recipe, ds: dict, tok, world: World):
         model = pipeline.build_pipeline(recipe.model, ds, tok, dtype=model_dtype(ds), seed=recipe.train.seed,
                                         activation_checkpointing=recipe.train.activation_checkpointing)
     else:
-        model = build_model(recipe.model, ds, tok, dtype=model_dtype(ds))
+        from deepspeed.accelerator import get_accelerator
+
+        stage = ds.get("zero_optimization", {}).get("stage", 0)
+        device = None if stage == 3 else get_accelerator().current_device_name()  # ZeRO-3: zero.Init places it
+        model = build_model(recipe.model, ds, tok, dtype=model_dtype(ds), device=device)
         if recipe.train.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine = build_engine(model, ds, recipe.train)

@@ -54,17 +54,21 @@ A)
     --set train.compile=true --ds_set compile.autoep_non_moe=true
   ;;
 B)
+  prebuild
   sed 's/every_minutes: 60/every_minutes: 0\n  at_end: false/' engine/recipes/grpo_2b6.yaml > /tmp/grpo_2b6.yaml
+  t0=$SECONDS
   timeout 200 $DS --num_gpus 1 bin/grpo.py --deepspeed_config ds_configs/zero3_grpo.json --config /tmp/grpo_2b6.yaml \
     --run_dir /tmp/grpo_2b6 --max_steps 5 > "$LOGS/grpo_2b6.log" 2>&1
-  echo "grpo_2b6: exit $?"; cp /tmp/grpo_2b6/metrics.jsonl "$OUT/grpo_2b6_metrics.jsonl" 2>/dev/null
+  echo "grpo_2b6: exit $? in $((SECONDS - t0))s"; cp /tmp/grpo_2b6/metrics.jsonl "$OUT/grpo_2b6_metrics.jsonl" 2>/dev/null
   S="--config engine/recipes/deepseek_5b3.yaml --steps 6 --warmup 2 --memory_fraction 0.5596"  # 80 GB of 143 GB
-  bench seed_offload_r05 1 150 $S --deepspeed_config ds_configs/zero3.json --micro_batch 4 \
-    --ds_set gradient_accumulation_steps=4 --ds_set zero_optimization.offload_optimizer.device=cpu \
-    --ds_set zero_optimization.offload_optimizer.ratio=0.5 --set train.activation_checkpointing=true
   bench seed_bf16_states 1 150 $S --deepspeed_config ds_configs/zero3.json --micro_batch 4 \
     --ds_set bf16.bf16_master_weights_and_grads=true --ds_set bf16.bf16_optimizer_states=true \
     --set train.activation_checkpointing=true
+  t0=$SECONDS; python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
+    > "$LOGS/prebuild_cpu_adam.log" 2>&1; echo "CPUAdam build: exit $? in $((SECONDS - t0))s"
+  bench seed_offload_r05 1 150 $S --deepspeed_config ds_configs/zero3.json --micro_batch 4 \
+    --ds_set gradient_accumulation_steps=4 --ds_set zero_optimization.offload_optimizer.device=cpu \
+    --ds_set zero_optimization.offload_optimizer.ratio=0.5 --set train.activation_checkpointing=true
   ;;
 C)
   S="--config $REF --steps 10 --warmup 3"
