@@ -120,6 +120,9 @@ class GRPOConfig:
     rewards: list = field(default_factory=lambda: [{"name": "numeric", "weight": 1.0, "which": "first"}])
     rollout: str = "auto"
     """local (a gathered copy of the policy on each device, when it fits) | engine (through DeepSpeed) | auto."""
+    decode_experts: str = "grouped_mm"
+    """MoE kernel of the local copy while decoding: grouped_mm (each expert's weights read once per token step) |
+    batched_mm (transformers' default for decoding on GPUs: copies every token's top-k expert weights) | eager."""
     eval_path: str | None = None
     """Held-out prompts (jsonl with prompt/answer), scored greedily at eval_every steps."""
     eval_every: int = 10
@@ -259,6 +262,8 @@ def validate(r: Recipe) -> list[str]:
         p.append(f"grpo.group_size ({g.group_size}) must be >= 2: advantages compare completions within a group")
     if g.max_new_tokens < 1 or g.iterations < 1 or g.eval_every < 1:
         p.append("grpo.max_new_tokens, grpo.iterations and grpo.eval_every must be >= 1")
+    if g.decode_experts not in ("grouped_mm", "batched_mm", "eager"):
+        p.append(f"grpo.decode_experts: {g.decode_experts!r} is not one of grouped_mm, batched_mm, eager")
     if g.rollout not in ("auto", "local", "engine"):
         p.append(f"grpo.rollout: {g.rollout!r} is not one of auto, local, engine")
     if g.eval_path is not None and not Path(g.eval_path).exists():

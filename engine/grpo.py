@@ -226,7 +226,7 @@ def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | No
                        warmup_steps=recipe.train.warmup_steps * g.iterations)
     policy = build_engine(model, ds, schedule)
     ref = build_reference(policy, recipe, ds, tok) if g.beta > 0 else None
-    rollout = build_rollout(rollout_kind(recipe), policy, tok)
+    rollout = build_rollout(rollout_kind(recipe), policy, tok, recipe.grpo.decode_experts)
     state = checkpoint.load(policy, recipe.run_dir) if recipe.resume else {"step": 0, "position": 0, "tokens": 0}
     step = state["step"]
     device, micro = policy.device, policy.train_micro_batch_size_per_gpu()

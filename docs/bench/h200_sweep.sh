@@ -2,6 +2,7 @@
 # The GPU measurements behind docs/benchmarks.md, in phases that each fit one 10-minute device call.
 # On the H200 machine (no registry access), from the checkout, with .whl/ built by ../shared/tools/offline-wheels.sh:
 #   bash docs/bench/h200_sweep.sh A        # 1 GPU: engine configs vs the plain ZeRO-3 baseline (2.6B recipe)
+#   bash docs/bench/h200_sweep.sh A2       # 1 GPU: GRPO with grouped_mm decoding, ZeRO-2 micro 16 (profiled), compile
 #   bash docs/bench/h200_sweep.sh B        # 1 GPU: GRPO on the 2.6B recipe, seed-scale 5.3B under an 80 GB cap
 #   bash docs/bench/h200_sweep.sh C        # 2 GPUs: the same as A on two GPUs (multi-GPU issue)
 # Results: $OUT/bench_<phase>.jsonl (one JSON row per run, the table bin/bench.py prints), logs beside them.
@@ -33,7 +34,7 @@ prebuild() {  # DeepSpeed JIT-builds FusedAdam on first use; build it once, outs
   echo "FusedAdam build: exit $? in $((SECONDS - t0))s"
 }
 
-PHASE=${1:?phase A, B or C}
+PHASE=${1:?phase A, A2, B or C}
 case "$PHASE" in
 A)
   # global batch 16 x 2048 tokens everywhere (micro 8 runs accumulate 2), 50 steps: rows carry every step's loss,
@@ -50,6 +51,22 @@ A)
     --set model.attn_implementation=flex_attention
   bench base_z3_plain_m16 1 100 $S --deepspeed_config ds_configs/zero3.json --no_autoep --micro_batch 16
   bench z3_ep_m16 1 100 $S --deepspeed_config ds_configs/zero3.json --micro_batch 16
+  bench z2_ep_m16_compile 1 150 $S --deepspeed_config ds_configs/zero2.json --micro_batch 16 \
+    --set train.compile=true --ds_set compile.autoep_non_moe=true
+  ;;
+A2)
+  # the second round on 1 GPU: phase A's micro-16 runs timed out while ZeRO-2 still built the model on the CPU
+  prebuild
+  sed 's/every_minutes: 60/every_minutes: 0\n  at_end: false/' engine/recipes/grpo_2b6.yaml > /tmp/grpo_2b6.yaml
+  t0=$SECONDS
+  timeout 150 $DS --num_gpus 1 bin/grpo.py --deepspeed_config ds_configs/zero3_grpo.json --config /tmp/grpo_2b6.yaml \
+    --run_dir /tmp/grpo_2b6_gmm --max_steps 5 > "$LOGS/grpo_2b6_gmm.log" 2>&1  # grpo.decode_experts: grouped_mm
+  echo "grpo_2b6 (grouped_mm decode): exit $? in $((SECONDS - t0))s"
+  cp /tmp/grpo_2b6_gmm/metrics.jsonl "$OUT/grpo_2b6_gmm_metrics.jsonl" 2>/dev/null
+  S="--config $REF --steps 40 --warmup 10"
+  bench z2_ep_m16 1 90 $S --deepspeed_config ds_configs/zero2.json --micro_batch 16 --profile 2
+  bench base_z3_plain_m16 1 80 $S --deepspeed_config ds_configs/zero3.json --no_autoep --micro_batch 16
+  bench z2_ep_m8x2 1 75 $S --deepspeed_config ds_configs/zero2.json --ds_set gradient_accumulation_steps=2
   bench z2_ep_m16_compile 1 150 $S --deepspeed_config ds_configs/zero2.json --micro_batch 16 \
     --set train.compile=true --ds_set compile.autoep_non_moe=true
   ;;
