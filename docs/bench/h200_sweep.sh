@@ -3,6 +3,7 @@
 # On the H200 machine (no registry access), from the checkout, with .whl/ built by ../shared/tools/offline-wheels.sh:
 #   bash docs/bench/h200_sweep.sh A        # 1 GPU: engine configs vs the plain ZeRO-3 baseline (2.6B recipe)
 #   bash docs/bench/h200_sweep.sh A2       # 1 GPU: GRPO with grouped_mm decoding, ZeRO-2 micro 16 (profiled), compile
+#   bash docs/bench/h200_sweep.sh A3       # 1 GPU: the compiled ZeRO-2 config accumulating 2 micro-batches, and the baseline
 #   bash docs/bench/h200_sweep.sh B        # 1 GPU: GRPO on the 2.6B recipe, seed-scale 5.3B under an 80 GB cap
 #   bash docs/bench/h200_sweep.sh C        # 2 GPUs: the same as A on two GPUs (multi-GPU issue)
 # Results: $OUT/bench_<phase>.jsonl (one JSON row per run, the table bin/bench.py prints), logs beside them.
@@ -34,7 +35,7 @@ prebuild() {  # DeepSpeed JIT-builds FusedAdam on first use; build it once, outs
   echo "FusedAdam build: exit $? in $((SECONDS - t0))s"
 }
 
-PHASE=${1:?phase A, A2, B or C}
+PHASE=${1:?phase A, A2, A3, B or C}
 case "$PHASE" in
 A)
   # global batch 16 x 2048 tokens everywhere (micro 8 runs accumulate 2), 50 steps: rows carry every step's loss,
@@ -69,6 +70,16 @@ A2)
   bench z2_ep_m8x2 1 75 $S --deepspeed_config ds_configs/zero2.json --ds_set gradient_accumulation_steps=2
   bench z2_ep_m16_compile 1 150 $S --deepspeed_config ds_configs/zero2.json --micro_batch 16 \
     --set train.compile=true --ds_set compile.autoep_non_moe=true
+  ;;
+A3)
+  # the optimizer step (~97 ms) is a sixth of a compiled micro-16 step: accumulate 2 micro-batches (global batch
+  # 32 x 2048 = 65k tokens), the baseline at the same global batch
+  prebuild
+  S="--config $REF --steps 20 --warmup 5"
+  bench z2_ep_m16x2_compile 1 80 $S --deepspeed_config ds_configs/zero2.json --micro_batch 16 \
+    --ds_set gradient_accumulation_steps=2 --set train.compile=true --ds_set compile.autoep_non_moe=true
+  bench base_z3_plain_m16x2 1 75 $S --deepspeed_config ds_configs/zero3.json --no_autoep --micro_batch 16 \
+    --ds_set gradient_accumulation_steps=2
   ;;
 B)
   prebuild
