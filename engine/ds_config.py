@@ -88,6 +88,12 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, ranks_per_node
             p.append(f"expert_parallel.preset_model ({preset!r}) does not match model.arch "
                      f"({recipe.model.arch!r}); set it to {recipe.model.arch!r} or remove it")
 
+    why_not = compile_blocker(cfg)
+    if recipe.train.compile is True and why_not:
+        p.append(f"train.compile: true needs {why_not}; use ds_configs/zero2.json or set train.compile to auto")
+    if recipe.train.compile is not False and not why_not:
+        cfg.setdefault("compile", {}).setdefault("autoep_non_moe", True)
+
     # Batch sizes: DeepSpeed needs train_batch = micro x accum x data-parallel size.
     micro = cfg.get("train_micro_batch_size_per_gpu")
     accum = cfg.get("gradient_accumulation_steps", 1)
@@ -147,6 +153,22 @@ def check_pipeline(cfg: dict, recipe: Recipe, zero_stage) -> tuple[int, list[str
         p.append(f"model.init_from ({recipe.model.init_from}) is not supported in pipeline mode yet; start from "
                  "random init, or train with ds_configs/zero3.json")
     return stages, p
+
+
+def compile_blocker(cfg: dict) -> str | None:
+    """Why DeepSpeed cannot compile around the AutoEP blocks under this DS config (None: it can)."""
+    zero = cfg.get("zero_optimization", {}) or {}
+    offload = [k for k in ("offload_optimizer", "offload_param")
+               if (zero.get(k) or {}).get("device", "none") not in ("none", None)]
+    if not uses_expert_parallel(cfg):
+        return "AutoEP (an expert_parallel section with enabled: true)"
+    if "pipeline" in cfg:
+        return "no pipeline section (DeepSpeed does not compile AutoEP models in pipeline mode yet)"
+    if zero.get("stage", 0) not in (1, 2):
+        return f"ZeRO stage 1 or 2 (this config has stage {zero.get('stage', 0)})"
+    if offload:
+        return f"no offload (this config sets zero_optimization.{offload[0]})"
+    return None
 
 
 def uses_expert_parallel(cfg: dict) -> bool:

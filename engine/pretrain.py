@@ -16,7 +16,7 @@ from . import checkpoint, pipeline
 from .balance import ExpertBalance
 from .config import ConfigError, Recipe, load_recipe
 from .data import build_data, load_tokenizer, looks_local, data_files
-from .ds_config import read_ds_config, resolve_ds_config
+from .ds_config import compile_blocker, read_ds_config, resolve_ds_config
 from .metrics import Metrics, print0
 from .model import build_model
 from .parallel import World, build_engine, init_distributed, model_dtype, world_from_env
@@ -93,9 +93,18 @@ def build(recipe: Recipe, ds: dict, tok, world: World):
         if recipe.train.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine = build_engine(model, ds, recipe.train)
-    if recipe.train.compile:
+    if wants_compile(recipe, ds):
         engine.compile()
     return engine, data
+
+
+def wants_compile(recipe: Recipe, ds: dict) -> bool:
+    """train.compile: true, or auto on a CUDA device where the DS config allows compiling around AutoEP."""
+    from deepspeed.accelerator import get_accelerator
+
+    if recipe.train.compile == "auto":
+        return get_accelerator().device_name() == "cuda" and compile_blocker(ds) is None
+    return bool(recipe.train.compile)
 
 
 def train(recipe: Recipe, engine, data, tok, world: World) -> list[dict]:

@@ -51,6 +51,26 @@ def test_auto_autoep_size_stays_inside_a_node():
     assert auto_autoep_size(num_experts=8, world_size=1, ranks_per_node=1) == 1
 
 
+@pytest.mark.parametrize("stage, ds_sets, compile_, expect", [
+    (2, {}, "auto", True),                      # the measured fast path: compile around the AutoEP blocks
+    (2, {}, False, None),                       # off: the DS config is left alone
+    (2, {"compile": {"autoep_non_moe": False}}, "auto", False),  # an explicit choice in the DS config stays
+    (3, {}, "auto", None),                      # DeepSpeed cannot do it under ZeRO-3: auto stays off
+    (2, {"offload_optimizer": {"device": "cpu"}}, "auto", None),
+])
+def test_compile_follows_what_deepspeed_can_do(stage, ds_sets, compile_, expect):
+    from engine.pretrain import wants_compile
+
+    r = load_recipe(None, {"train.compile": compile_})
+    raw = read_ds_config(ROOT / "ds_configs" / "zero2.json")
+    raw["zero_optimization"].update({"stage": stage, **{k: v for k, v in ds_sets.items() if k != "compile"}})
+    raw.pop("compile", None)
+    raw.update({k: v for k, v in ds_sets.items() if k == "compile"})
+    cfg = resolve_ds_config(raw, r, world_size=1, ranks_per_node=1)
+    assert cfg.get("compile", {}).get("autoep_non_moe") is expect
+    assert not wants_compile(r, cfg)  # auto compiles on CUDA devices only; this is a CPU
+
+
 def test_recipe_reports_every_problem_at_once(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: {hidden_size: big, num_expert: 4}\ntrain: {max_steps: 0}\n")
@@ -86,6 +106,8 @@ TINY = (RECIPES / "tiny.yaml").read_text()
     ("batch_mismatch", "train_batch_size (10) != train_micro_batch_size_per_gpu (8) x gradient_accumulation_steps (1)"),
     ("malformed_json", "malformed JSON at line 1"),
     ("resume_without_checkpoint", "--resume: no checkpoint in"),
+    ("compile_under_zero3", "train.compile: true needs ZeRO stage 1 or 2 (this config has stage 3)"),
+    ("compile_bad_value", "train.compile: 'fast' is not one of true, false, auto"),
 ])
 def test_bad_input_is_one_clear_line_before_any_work(tmp_path, case, expect):
     ds, args, recipe, world = ZERO3, [], None, 1
@@ -110,6 +132,8 @@ def test_bad_input_is_one_clear_line_before_any_work(tmp_path, case, expect):
         ds.write_text('{"train_micro_batch_size_per_gpu": 8,, }')
     elif case == "resume_without_checkpoint":
         args = ["--resume"]
+    elif case in ("compile_under_zero3", "compile_bad_value"):
+        recipe = TINY.replace("max_steps: 600", "max_steps: 600\n  compile: " + ("true" if case == "compile_under_zero3" else "fast"))
     p = run_cli(tmp_path, "--deepspeed_config", ds, *args, world=world, recipe=recipe)
     assert p.returncode == 2, p.stderr[-2000:]
     lines = [line for line in p.stderr.splitlines() if line.strip()]
