@@ -5,7 +5,7 @@
 #   bash docs/bench/h200_sweep.sh A2       # 1 GPU: GRPO with grouped_mm decoding, ZeRO-2 micro 16 (profiled), compile
 #   bash docs/bench/h200_sweep.sh A3       # 1 GPU: the compiled ZeRO-2 config accumulating 2 micro-batches, and the baseline
 #   bash docs/bench/h200_sweep.sh B        # 1 GPU: GRPO on the 2.6B recipe, seed-scale 5.3B under an 80 GB cap
-#   bash docs/bench/h200_sweep.sh C        # 2 GPUs: the same as A on two GPUs (multi-GPU issue)
+#   bash docs/bench/h200_sweep.sh C        # 2 GPUs: tuned 1 vs 2 GPUs, ZeRO-3, baseline, pipeline (multi-GPU issue)
 # Results: $OUT/bench_<phase>.jsonl (one JSON row per run, the table bin/bench.py prints), logs beside them.
 set -u
 OUT=${OUT:-/tmp/bench_out}
@@ -99,10 +99,17 @@ B)
     --ds_set zero_optimization.offload_optimizer.ratio=0.5 --set train.activation_checkpointing=true
   ;;
 C)
-  S="--config $REF --steps 10 --warmup 3"
-  bench z3_ep_m8_2gpu 2 110 $S --deepspeed_config ds_configs/zero3.json
-  bench z2_ep_m16_2gpu 2 110 $S --deepspeed_config ds_configs/zero2.json --micro_batch 16
-  bench z3_plain_m8_2gpu 2 110 $S --deepspeed_config ds_configs/zero3.json --no_autoep
+  # multi-GPU issue: the tuned config on 1 and 2 GPUs (weak scaling, same micro-batch per GPU), the untuned
+  # ZeRO-3 and the plain ZeRO-3 baseline on 2 GPUs, and the pipeline config on 2 GPUs
+  prebuild
+  S="--config $REF --steps 20 --warmup 5"
+  bench tuned_1gpu 1 80 $S --deepspeed_config ds_configs/zero2.json
+  bench tuned_2gpu 2 90 $S --deepspeed_config ds_configs/zero2.json
+  bench z3_ep_m16x2_2gpu 2 90 $S --deepspeed_config ds_configs/zero3.json --micro_batch 16 \
+    --ds_set gradient_accumulation_steps=2
+  bench base_z3_plain_m16x2_2gpu 2 90 $S --deepspeed_config ds_configs/zero3.json --no_autoep --micro_batch 16 \
+    --ds_set gradient_accumulation_steps=2
+  bench pipe_2gpu 2 90 $S --deepspeed_config ds_configs/pipe.json
   ;;
 esac
 python3 -c "import sys; sys.argv=['x']; sys.path.insert(0,'bin'); import json, bench; \
