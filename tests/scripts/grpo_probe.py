@@ -136,8 +136,8 @@ def main() -> None:
         info["ref_training"] = ref.module.training
         return ref
 
-    def build_rollout_recorded(kind, engine, tokenizer):
-        rollout = build_rollout(kind, engine, tokenizer)
+    def build_rollout_recorded(kind, engine, tokenizer, *a, **k):
+        rollout = build_rollout(kind, engine, tokenizer, *a, **k)
         info["rollout_class"] = type(rollout).__name__
         generate = rollout.generate
 
