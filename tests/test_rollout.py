@@ -9,6 +9,15 @@ import torch
 from conftest import ROOT  # noqa: F401  (puts the project on sys.path)
 
 
+@pytest.fixture(autouse=True)
+def no_zero3_from_earlier_tests(monkeypatch):
+    """A DeepSpeed engine trained earlier in this process (tests/test_pretrain.py) keeps transformers' ZeRO-3
+    flag alive; the plain models built here must not be partitioned by it."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    monkeypatch.setattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)
+
+
 def test_local_copy_decodes_with_a_cache_and_leaves_the_policy_config_alone():
     from deepspeed.runtime.rollout import SamplingConfig
     from transformers import AutoModelForCausalLM
