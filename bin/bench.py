@@ -162,7 +162,8 @@ def main() -> int:
            "tokens_per_s_per_gpu": round(tps), "mfu": float(f"{tps * flops_tok / (PEAK_TFLOPS * 1e12):.4g}"),
            **{f"{k}_ms": round(1000 * v / args.steps, 1) if v else None for k, v in times.items()},
            "peak_gib": round(acc.max_memory_allocated() / 2**30, 2), "loss": round(loss.item(), 4),
-           "losses": [round(x, 4) for x in losses[:args.warmup + args.steps]], "sets": args.set, "ds_sets": args.ds_set, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+           "losses": [round(x, 4) for x in losses[:args.warmup + args.steps]],
+           "sets": args.set, "ds_sets": args.ds_set, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     if world.rank == 0:
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")

@@ -44,8 +44,7 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, ranks_per_node
     """
     cfg = copy.deepcopy(cfg)
     p: list[str] = []
-    zero = cfg.get("zero_optimization", {}) or {}
-    stage = zero.get("stage", 0)
+    stage = zero_stage(cfg)
     pipe = "pipeline" in cfg
     if not pipe and stage not in (1, 2, 3):
         p.append(f"zero_optimization.stage ({stage}) must be 1, 2 or 3")
@@ -164,11 +163,15 @@ def compile_blocker(cfg: dict) -> str | None:
         return "AutoEP (an expert_parallel section with enabled: true)"
     if "pipeline" in cfg:
         return "no pipeline section (DeepSpeed does not compile AutoEP models in pipeline mode yet)"
-    if zero.get("stage", 0) not in (1, 2):
-        return f"ZeRO stage 1 or 2 (this config has stage {zero.get('stage', 0)})"
+    if zero_stage(cfg) not in (1, 2):
+        return f"ZeRO stage 1 or 2 (this config has stage {zero_stage(cfg)})"
     if offload:
         return f"no offload (this config sets zero_optimization.{offload[0]})"
     return None
+
+
+def zero_stage(cfg: dict):
+    return (cfg.get("zero_optimization") or {}).get("stage", 0)
 
 
 def uses_expert_parallel(cfg: dict) -> bool:

@@ -16,7 +16,7 @@ from . import checkpoint, pipeline
 from .balance import ExpertBalance
 from .config import ConfigError, Recipe, load_recipe
 from .data import build_data, load_tokenizer, looks_local, data_files
-from .ds_config import compile_blocker, read_ds_config, resolve_ds_config
+from .ds_config import compile_blocker, read_ds_config, resolve_ds_config, zero_stage
 from .metrics import Metrics, print0
 from .model import build_model
 from .parallel import World, build_engine, init_distributed, model_dtype, world_from_env
@@ -87,8 +87,7 @@ def build(recipe: Recipe, ds: dict, tok, world: World):
     else:
         from deepspeed.accelerator import get_accelerator
 
-        stage = ds.get("zero_optimization", {}).get("stage", 0)
-        device = None if stage == 3 else get_accelerator().current_device_name()  # ZeRO-3: zero.Init places it
+        device = None if zero_stage(ds) == 3 else get_accelerator().current_device_name()  # ZeRO-3: zero.Init places it
         model = build_model(recipe.model, ds, tok, dtype=model_dtype(ds), device=device)
         if recipe.train.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

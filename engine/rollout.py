@@ -95,8 +95,7 @@ def local_copy(module: torch.nn.Module, device, decode_experts: str = "grouped_m
                 src = src.transpose(1, 2)
             t.copy_(src)
     model.eval()
-    if device.type != "cpu" and hasattr(model, "set_experts_implementation"):  # on CPUs generate keeps grouped_mm
-        model.set_experts_implementation(_experts_for_decode(decode_experts))
+    model.set_experts_implementation(_experts_for_decode(decode_experts))
     return model
 
 

@@ -30,10 +30,17 @@ bench() {  # bench LABEL GPUS TIMEOUT ARGS...: one bin/bench.py run, a row in $O
     > "$LOGS/$label.log" 2>&1
   echo "$label: exit $? in $((SECONDS - t0))s $(grep -m1 -oE 'OutOfMemoryError|Error: .{0,120}' "$LOGS/$label.log")"
 }
-prebuild() {  # DeepSpeed JIT-builds FusedAdam on first use; build it once, outside any run's timeout
-  local t0=$SECONDS
-  python3 -c "from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load()" > "$LOGS/prebuild.log" 2>&1
-  echo "FusedAdam build: exit $? in $((SECONDS - t0))s"
+grpo() {  # grpo LABEL TIMEOUT ARGS...: 5 GRPO steps of grpo_2b6 on 1 GPU, its metrics as $OUT/LABEL_metrics.jsonl
+  local label=$1 limit=$2 t0=$SECONDS; shift 2
+  sed 's/every_minutes: 60/every_minutes: 0\n  at_end: false/' engine/recipes/grpo_2b6.yaml > /tmp/grpo_2b6.yaml
+  timeout "$limit" $DS --num_gpus 1 bin/grpo.py --deepspeed_config ds_configs/zero3_grpo.json \
+    --config /tmp/grpo_2b6.yaml --run_dir "/tmp/$label" --max_steps 5 "$@" > "$LOGS/$label.log" 2>&1
+  echo "$label: exit $? in $((SECONDS - t0))s"; cp "/tmp/$label/metrics.jsonl" "$OUT/${label}_metrics.jsonl" 2>/dev/null
+}
+prebuild() {  # prebuild [BUILDER]: DeepSpeed JIT-builds its ops on first use; build once, outside any run's timeout
+  local op=${1:-FusedAdamBuilder} t0=$SECONDS
+  python3 -c "from deepspeed.ops.op_builder import $op; $op().load()" > "$LOGS/prebuild_$op.log" 2>&1
+  echo "$op build: exit $? in $((SECONDS - t0))s"
 }
 
 PHASE=${1:?phase A, A2, A3, B, C or D}
@@ -59,12 +66,7 @@ A)
 A2)
   # the second round on 1 GPU: phase A's micro-16 runs timed out while ZeRO-2 still built the model on the CPU
   prebuild
-  sed 's/every_minutes: 60/every_minutes: 0\n  at_end: false/' engine/recipes/grpo_2b6.yaml > /tmp/grpo_2b6.yaml
-  t0=$SECONDS
-  timeout 150 $DS --num_gpus 1 bin/grpo.py --deepspeed_config ds_configs/zero3_grpo.json --config /tmp/grpo_2b6.yaml \
-    --run_dir /tmp/grpo_2b6_gmm --max_steps 5 > "$LOGS/grpo_2b6_gmm.log" 2>&1  # grpo.decode_experts: grouped_mm
-  echo "grpo_2b6 (grouped_mm decode): exit $? in $((SECONDS - t0))s"
-  cp /tmp/grpo_2b6_gmm/metrics.jsonl "$OUT/grpo_2b6_gmm_metrics.jsonl" 2>/dev/null
+  grpo grpo_2b6_gmm 150  # grpo.decode_experts: grouped_mm (the default since d1a6354)
   S="--config $REF --steps 40 --warmup 10"
   bench z2_ep_m16 1 90 $S --deepspeed_config ds_configs/zero2.json --micro_batch 16 --profile 2
   bench base_z3_plain_m16 1 80 $S --deepspeed_config ds_configs/zero3.json --no_autoep --micro_batch 16
@@ -106,17 +108,12 @@ m.save_pretrained('/tmp/init_2b6'); tok.save_pretrained('/tmp/init_2b6')" > "$LO
   ;;
 B)
   prebuild
-  sed 's/every_minutes: 60/every_minutes: 0\n  at_end: false/' engine/recipes/grpo_2b6.yaml > /tmp/grpo_2b6.yaml
-  t0=$SECONDS
-  timeout 200 $DS --num_gpus 1 bin/grpo.py --deepspeed_config ds_configs/zero3_grpo.json --config /tmp/grpo_2b6.yaml \
-    --run_dir /tmp/grpo_2b6 --max_steps 5 > "$LOGS/grpo_2b6.log" 2>&1
-  echo "grpo_2b6: exit $? in $((SECONDS - t0))s"; cp /tmp/grpo_2b6/metrics.jsonl "$OUT/grpo_2b6_metrics.jsonl" 2>/dev/null
+  grpo grpo_2b6 200  # ran at 1972d1a, before grouped_mm decoding
   S="--config engine/recipes/deepseek_5b3.yaml --steps 6 --warmup 2 --memory_fraction 0.5596"  # 80 GB of 143 GB
   bench seed_bf16_states 1 150 $S --deepspeed_config ds_configs/zero3.json --micro_batch 4 \
     --ds_set bf16.bf16_master_weights_and_grads=true --ds_set bf16.bf16_optimizer_states=true \
     --set train.activation_checkpointing=true
-  t0=$SECONDS; python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
-    > "$LOGS/prebuild_cpu_adam.log" 2>&1; echo "CPUAdam build: exit $? in $((SECONDS - t0))s"
+  prebuild CPUAdamBuilder
   bench seed_offload_r05 1 150 $S --deepspeed_config ds_configs/zero3.json --micro_batch 4 \
     --ds_set gradient_accumulation_steps=4 --ds_set zero_optimization.offload_optimizer.device=cpu \
     --ds_set zero_optimization.offload_optimizer.ratio=0.5 --set train.activation_checkpointing=true
