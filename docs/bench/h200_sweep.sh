@@ -5,6 +5,7 @@
 #   bash docs/bench/h200_sweep.sh A2       # 1 GPU: GRPO with grouped_mm decoding, ZeRO-2 micro 16 (profiled), compile
 #   bash docs/bench/h200_sweep.sh A3       # 1 GPU: the compiled ZeRO-2 config accumulating 2 micro-batches, and the baseline
 #   bash docs/bench/h200_sweep.sh D        # 1 GPU: tuned vs untuned loss from one saved init; fused gate/up, flex attention
+#   bash docs/bench/h200_sweep.sh E        # 1 GPU: AutoEP's fused top-k combine and fused gate/up, 4-step accumulation
 #   bash docs/bench/h200_sweep.sh B        # 1 GPU: GRPO on the 2.6B recipe, seed-scale 5.3B under an 80 GB cap
 #   bash docs/bench/h200_sweep.sh C        # 2 GPUs: tuned 1 vs 2 GPUs, ZeRO-3, baseline, pipeline (multi-GPU issue)
 # Results: $OUT/bench_<phase>.jsonl (one JSON row per run, the table bin/bench.py prints), logs beside them.
@@ -43,7 +44,7 @@ prebuild() {  # prebuild [BUILDER]: DeepSpeed JIT-builds its ops on first use; b
   echo "$op build: exit $? in $((SECONDS - t0))s"
 }
 
-PHASE=${1:?phase A, A2, A3, B, C or D}
+PHASE=${1:?phase A, A2, A3, B, C, D or E}
 case "$PHASE" in
 A)
   # global batch 16 x 2048 tokens everywhere (micro 8 runs accumulate 2), 50 steps: rows carry every step's loss,
@@ -105,6 +106,24 @@ m.save_pretrained('/tmp/init_2b6'); tok.save_pretrained('/tmp/init_2b6')" > "$LO
   S="--config $REF --steps 20 --warmup 5"
   bench tuned_fusedgu 1 80 $S --deepspeed_config ds_configs/zero2.json --ds_set expert_parallel.gate_up_impl=fused
   bench tuned_flex 1 100 $S --deepspeed_config ds_configs/zero2.json --set model.attn_implementation=flex_attention
+  ;;
+E)
+  # the MoE block's element-wise half (profile_z2_ep_m16.txt): the top-k combine materialises [tokens x k x hidden]
+  # in fp32 (zeros, index_put, mul, sum); AutoEP's Triton kernel (combine_impl=fused_weighted_sum) does it in one
+  # pass. Then one grouped GEMM for gate+up, and 4 accumulated micro-batches (the optimizer step is ~100 ms)
+  prebuild
+  S="--config $REF --steps 16 --warmup 4"
+  FWS="--ds_set expert_parallel.combine_impl=fused_weighted_sum"
+  FGU="--ds_set expert_parallel.gate_up_impl=fused"
+  bench tuned 1 80 $S --deepspeed_config ds_configs/zero2.json
+  bench tuned_fws 1 80 $S --deepspeed_config ds_configs/zero2.json $FWS
+  bench tuned_fws_fgu_x4 1 95 $S --deepspeed_config ds_configs/zero2.json $FWS $FGU \
+    --ds_set gradient_accumulation_steps=4
+  bench base_z3_plain_m16x4 1 120 $S --deepspeed_config ds_configs/zero3.json --no_autoep --micro_batch 16 \
+    --ds_set gradient_accumulation_steps=4
+  bench tuned_fws_fgu 1 80 $S --deepspeed_config ds_configs/zero2.json $FWS $FGU --profile 2
+  bench tuned_fws_fgu_x4_z1 1 95 $S --deepspeed_config ds_configs/zero2.json $FWS $FGU \
+    --ds_set gradient_accumulation_steps=4 --ds_set zero_optimization.stage=1
   ;;
 B)
   prebuild
