@@ -35,7 +35,7 @@ import yaml  # noqa: E402
 from engine.config import ConfigError, load_recipe  # noqa: E402
 from engine.ds_config import read_ds_config, resolve_ds_config  # noqa: E402
 from engine.data import load_tokenizer  # noqa: E402
-from engine.parallel import init_distributed, world_from_env  # noqa: E402
+from engine.parallel import device_kind, init_distributed, world_from_env  # noqa: E402
 from engine import pipeline, pretrain  # noqa: E402
 
 PEAK_TFLOPS = 989.0
@@ -94,7 +94,7 @@ def main() -> int:
             for part in path:
                 node = node.setdefault(part, {})
             node[key] = value
-        ds = resolve_ds_config(raw, recipe, world.size, world.local_size)
+        ds = resolve_ds_config(raw, recipe, world.size, world.local_size, device=device_kind())
         tok = load_tokenizer(recipe.data.tokenizer)
     except ConfigError as e:
         if world.rank == 0:

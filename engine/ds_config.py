@@ -6,6 +6,9 @@ The file goes to DeepSpeed as written. The only values the engine fills in are o
                                            world size and fits in one node (all-to-all stays intra-node)
   train_batch_size = "auto"             -> micro_batch x grad_accum x data-parallel world size
   optimizer.params.lr = "auto"          -> the recipe's train.lr (the peak of its warmup + cosine schedule)
+  expert_parallel.combine_impl = "auto" -> "fused_weighted_sum" (AutoEP's Triton kernel for the top-k weighted
+                                           sum) on CUDA, DeepSpeed's "weighted_sum" elsewhere; a missing key
+                                           counts as "auto", as it does for DeepSpeed
 """
 from __future__ import annotations
 
@@ -37,8 +40,10 @@ def auto_autoep_size(num_experts: int, world_size: int, ranks_per_node: int) -> 
 
 
 def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, ranks_per_node: int,
-                      where: str = "DeepSpeed config") -> dict:
+                      where: str = "DeepSpeed config", device: str = "cpu") -> dict:
     """Check `cfg` for this world and model; return a copy with "auto" values filled in.
+
+    `device` is the accelerator the ranks run on (parallel.device_kind(): "cuda", "cpu", "rocm", ...).
 
     Every problem is collected and raised together as one ConfigError line.
     """
@@ -86,6 +91,10 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, ranks_per_node
         if preset is not None and preset != recipe.model.arch:
             p.append(f"expert_parallel.preset_model ({preset!r}) does not match model.arch "
                      f"({recipe.model.arch!r}); set it to {recipe.model.arch!r} or remove it")
+        if ep.get("combine_impl", "auto") == "auto":
+            # The default weighted sum materialises [tokens x top_k x hidden] in fp32 (zeros, index_put, mul, sum);
+            # the Triton kernel does it in one pass: +14% tokens/s on one H200 (docs/benchmarks.md). CUDA only.
+            ep["combine_impl"] = "fused_weighted_sum" if device == "cuda" else "weighted_sum"
 
     why_not = compile_blocker(cfg)
     if recipe.train.compile is True and why_not:

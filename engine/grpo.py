@@ -26,7 +26,7 @@ from .grpo_math import GRPOLossConfig, group_advantages, keep_mask, policy_loss,
 from .metrics import Metrics, print0
 from .model import build_model
 from .pretrain import peak_memory_gib, report_error
-from .parallel import World, build_engine, init_distributed, model_dtype, world_from_env
+from .parallel import World, build_engine, device_kind, init_distributed, model_dtype, world_from_env
 from .rewards import build_rewards
 from .rollout import build_rollout
 from deepspeed.runtime.rollout import RolloutRequest, SamplingConfig
@@ -111,7 +111,7 @@ def preflight(args, world: World):
         o["resume"] = True
     recipe = load_recipe(args.config, o)
     ds = resolve_ds_config(read_ds_config(args.deepspeed_config), recipe, world.size, world.local_size,
-                           where=f"DeepSpeed config {args.deepspeed_config}")
+                           where=f"DeepSpeed config {args.deepspeed_config}", device=device_kind())
     g = recipe.grpo
     per_rank = ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
     problems = loss_config(g).validate()

@@ -46,6 +46,14 @@ def init_distributed() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
+def device_kind() -> str:
+    """DeepSpeed's accelerator name ("cuda", "cpu", ...), with a ROCm build of torch reported as "rocm"."""
+    from deepspeed.accelerator import get_accelerator
+
+    name = get_accelerator().device_name()
+    return "rocm" if name == "cuda" and torch.version.hip else name
+
+
 def release_shm_names() -> None:
     """Unlink this rank's /dev/shm all-reduce buffer once every local rank has mapped it.
 

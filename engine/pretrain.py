@@ -19,7 +19,7 @@ from .data import build_data, load_tokenizer, looks_local, data_files
 from .ds_config import compile_blocker, read_ds_config, resolve_ds_config, zero_stage
 from .metrics import Metrics, print0
 from .model import build_model
-from .parallel import World, build_engine, init_distributed, model_dtype, world_from_env
+from .parallel import World, build_engine, device_kind, init_distributed, model_dtype, world_from_env
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -47,7 +47,7 @@ def preflight(args: argparse.Namespace, world: World):
     """Everything that can be checked before any rank does work; raises one ConfigError naming every problem."""
     recipe = load_recipe(args.config, overrides(args))
     ds = resolve_ds_config(read_ds_config(args.deepspeed_config), recipe, world.size, world.local_size,
-                           where=f"DeepSpeed config {args.deepspeed_config}")
+                           where=f"DeepSpeed config {args.deepspeed_config}", device=device_kind())
     problems = []
     tok = None
     try:
@@ -94,6 +94,7 @@ def build(recipe: Recipe, ds: dict, tok, world: World):
     engine = build_engine(model, ds, recipe.train)
     if wants_compile(recipe, ds):
         engine.compile()
+        compile_outside_autoep(engine.module)
     return engine, data
 
 
@@ -104,6 +105,29 @@ def wants_compile(recipe: Recipe, ds: dict) -> bool:
     if recipe.train.compile == "auto":
         return get_accelerator().device_name() == "cuda" and compile_blocker(ds) is None
     return bool(recipe.train.compile)
+
+
+def compile_outside_autoep(model: torch.nn.Module) -> list[str]:
+    """Compile what DeepSpeed's compile.autoep_non_moe leaves eager besides AutoEP's own routing and experts.
+
+    DeepSpeed compiles each module that holds an AutoEP block (a decoder layer) and keeps the block eager. That
+    leaves the decoder layers without one (DeepSeek-V3's first dense layers) and the shared experts inside each
+    block (a plain MLP) eager too. Compiled here with the same settings; returns what was compiled.
+    """
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+
+    done = []
+    layers = model.get_decoder().layers
+    for i, layer in enumerate(layers):
+        if getattr(layer, "_compiled_call_impl", None) is None:
+            layer.compile(dynamic=False)
+            done.append(f"layers.{i}")
+    for name, module in model.named_modules():
+        shared = getattr(module, "shared_experts", None) if isinstance(module, AutoEPMoELayer) else None
+        if shared is not None and getattr(shared, "_compiled_call_impl", None) is None:
+            shared.compile(dynamic=False)
+            done.append(f"{name}.shared_experts")
+    return done
 
 
 def train(recipe: Recipe, engine, data, tok, world: World) -> list[dict]:

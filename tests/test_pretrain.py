@@ -71,6 +71,45 @@ def test_compile_follows_what_deepspeed_can_do(stage, ds_sets, compile_, expect)
     assert not wants_compile(r, cfg)  # auto compiles on CUDA devices only; this is a CPU
 
 
+@pytest.mark.parametrize("device, written, expect", [
+    ("cuda", None, "fused_weighted_sum"), ("cuda", "auto", "fused_weighted_sum"), ("cpu", None, "weighted_sum"),
+    ("rocm", "auto", "weighted_sum"), ("cuda", "weighted_sum", "weighted_sum"), ("cpu", "legacy_bmm", "legacy_bmm")])
+def test_moe_combine_kernel_follows_the_device_unless_written(device, written, expect):
+    raw = read_ds_config(ROOT / "ds_configs" / "zero2.json")
+    if written:
+        raw["expert_parallel"]["combine_impl"] = written
+    cfg = resolve_ds_config(raw, load_recipe(None), world_size=1, ranks_per_node=1, device=device)
+    assert cfg["expert_parallel"]["combine_impl"] == expect
+    assert raw["expert_parallel"].get("combine_impl") == written  # the caller's dict is not touched
+
+
+def test_compiled_model_leaves_only_autoep_eager_and_matches_eager(tmp_path):
+    """train.compile: true with ZeRO-2 + AutoEP, here on a CPU: DeepSpeed compiles the decoder layers that hold an
+    AutoEP block; the engine compiles the rest (a first dense layer, each block's shared experts). The compiled
+    model's loss equals the eager one's on the same batch (bf16: inductor fuses and reorders, 1e-2)."""
+    import torch
+
+    from engine.data import load_tokenizer
+    from engine.parallel import init_distributed, world_from_env
+    from engine.pretrain import build
+
+    r = load_recipe(None, {"train.compile": True, "model.first_dense_layers": 1, "run_dir": str(tmp_path)})
+    ds = resolve_ds_config(read_ds_config(ROOT / "ds_configs" / "zero2.json"), r, world_size=1, ranks_per_node=1)
+    init_distributed()
+    engine, data = build(r, ds, load_tokenizer(r.data.tokenizer), world_from_env())
+    layers = engine.module.model.layers
+    assert all(layer._compiled_call_impl is not None for layer in layers)
+    assert layers[1].mlp.__class__.__name__ == "AutoEPMoELayer"
+    assert layers[1].mlp.shared_experts._compiled_call_impl is not None
+    ids = next(data.micro_batches(2, 0, 1))[1]
+    torch._dynamo.utils.counters.clear()
+    compiled = engine(input_ids=ids, labels=ids).loss.item()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 3  # dense layer, MoE layer parts, shared MLP
+    with torch.compiler.set_stance("force_eager"):
+        eager = engine(input_ids=ids, labels=ids).loss.item()
+    assert abs(compiled - eager) < 1e-2, (compiled, eager)
+
+
 def test_recipe_reports_every_problem_at_once(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: {hidden_size: big, num_expert: 4}\ntrain: {max_steps: 0}\n")

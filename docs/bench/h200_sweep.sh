@@ -4,8 +4,8 @@
 #   bash docs/bench/h200_sweep.sh A        # 1 GPU: engine configs vs the plain ZeRO-3 baseline (2.6B recipe)
 #   bash docs/bench/h200_sweep.sh A2       # 1 GPU: GRPO with grouped_mm decoding, ZeRO-2 micro 16 (profiled), compile
 #   bash docs/bench/h200_sweep.sh A3       # 1 GPU: the compiled ZeRO-2 config accumulating 2 micro-batches, and the baseline
-#   bash docs/bench/h200_sweep.sh D        # 1 GPU: tuned vs untuned loss from one saved init; fused gate/up, flex attention
 #   bash docs/bench/h200_sweep.sh E        # 1 GPU: AutoEP's fused top-k combine and fused gate/up, 4-step accumulation
+#   bash docs/bench/h200_sweep.sh D        # 1 GPU: the shipped tuned config vs untuned from one saved init, baseline
 #   bash docs/bench/h200_sweep.sh B        # 1 GPU: GRPO on the 2.6B recipe, seed-scale 5.3B under an 80 GB cap
 #   bash docs/bench/h200_sweep.sh C        # 2 GPUs: tuned 1 vs 2 GPUs, ZeRO-3, baseline, pipeline (multi-GPU issue)
 # Results: $OUT/bench_<phase>.jsonl (one JSON row per run, the table bin/bench.py prints), logs beside them.
@@ -86,8 +86,10 @@ A3)
     --ds_set gradient_accumulation_steps=2
   ;;
 D)
-  # next round on 1 GPU: the tuned vs untuned loss from one saved initial model (ZeRO-2 and ZeRO-3 draw different
-  # random weights), global batch 32 x 2048 for both; then the levers phase A could not reach
+  # after phase E: the tuned config as shipped (zero2.json: micro 16 x 4, fused top-k combine, compiled outside the
+  # AutoEP blocks) against the untuned one (zero3.json with DeepSpeed's own combine) from one saved initial model
+  # (ZeRO-2 and ZeRO-3 draw different random weights), global batch 64 x 2048 for both, 50 steps; then the
+  # plain ZeRO-3 baseline at its best micro-batch and the same global batch
   prebuild
   python3 -c "
 import sys; sys.path.insert(0, '.')
@@ -100,12 +102,13 @@ r = load_recipe('$REF'); tok = load_tokenizer(r.data.tokenizer); torch.manual_se
 with torch.device('cuda'):
     m = AutoModelForCausalLM.from_config(make_hf_config(r.model, tok), dtype=torch.bfloat16)
 m.save_pretrained('/tmp/init_2b6'); tok.save_pretrained('/tmp/init_2b6')" > "$LOGS/init.log" 2>&1
+  echo "init: exit $?"
   S="--config $REF --steps 40 --warmup 10 --set model.init_from=/tmp/init_2b6"
-  bench same_init_tuned 1 110 $S --deepspeed_config ds_configs/zero2.json
-  bench same_init_untuned 1 150 $S --deepspeed_config ds_configs/zero3.json --ds_set gradient_accumulation_steps=4
-  S="--config $REF --steps 20 --warmup 5"
-  bench tuned_fusedgu 1 80 $S --deepspeed_config ds_configs/zero2.json --ds_set expert_parallel.gate_up_impl=fused
-  bench tuned_flex 1 100 $S --deepspeed_config ds_configs/zero2.json --set model.attn_implementation=flex_attention
+  bench same_init_tuned 1 140 $S --deepspeed_config ds_configs/zero2.json
+  bench same_init_untuned 1 230 $S --deepspeed_config ds_configs/zero3.json --ds_set gradient_accumulation_steps=8 \
+    --ds_set expert_parallel.combine_impl=weighted_sum
+  bench base_z3_plain_m16x4 1 110 --config $REF --steps 16 --warmup 4 --deepspeed_config ds_configs/zero3.json \
+    --no_autoep --micro_batch 16 --ds_set gradient_accumulation_steps=4
   ;;
 E)
   # the MoE block's element-wise half (profile_z2_ep_m16.txt): the top-k combine materialises [tokens x k x hidden]
