@@ -6,6 +6,7 @@
 #   bash docs/bench/h200_sweep.sh A3       # 1 GPU: the compiled ZeRO-2 config accumulating 2 micro-batches, and the baseline
 #   bash docs/bench/h200_sweep.sh E        # 1 GPU: AutoEP's fused top-k combine and fused gate/up, 4-step accumulation
 #   bash docs/bench/h200_sweep.sh D        # 1 GPU: the shipped tuned config vs untuned from one saved init, baseline
+#   bash docs/bench/h200_sweep.sh F        # 1 GPU: the noise floor for D (tuned vs itself), ZeRO-3 with the fused combine
 #   bash docs/bench/h200_sweep.sh B        # 1 GPU: GRPO on the 2.6B recipe, seed-scale 5.3B under an 80 GB cap
 #   bash docs/bench/h200_sweep.sh C        # 2 GPUs: tuned 1 vs 2 GPUs, ZeRO-3, baseline, pipeline (multi-GPU issue)
 # Results: $OUT/bench_<phase>.jsonl (one JSON row per run, the table bin/bench.py prints), logs beside them.
@@ -44,7 +45,22 @@ prebuild() {  # prebuild [BUILDER]: DeepSpeed JIT-builds its ops on first use; b
   echo "$op build: exit $? in $((SECONDS - t0))s"
 }
 
-PHASE=${1:?phase A, A2, A3, B, C, D or E}
+save_init() {  # one random initial 2.6B model in /tmp/init_2b6, so runs under different ZeRO stages start alike
+  python3 -c "
+import sys; sys.path.insert(0, '.')
+import torch
+from transformers import AutoModelForCausalLM
+from engine.config import load_recipe
+from engine.data import load_tokenizer
+from engine.model import make_hf_config
+r = load_recipe('$REF'); tok = load_tokenizer(r.data.tokenizer); torch.manual_seed(0)
+with torch.device('cuda'):
+    m = AutoModelForCausalLM.from_config(make_hf_config(r.model, tok), dtype=torch.bfloat16)
+m.save_pretrained('/tmp/init_2b6'); tok.save_pretrained('/tmp/init_2b6')" > "$LOGS/init.log" 2>&1
+  echo "init: exit $?"
+}
+
+PHASE=${1:?phase A, A2, A3, B, C, D, E or F}
 case "$PHASE" in
 A)
   # global batch 16 x 2048 tokens everywhere (micro 8 runs accumulate 2), 50 steps: rows carry every step's loss,
@@ -91,18 +107,7 @@ D)
   # (ZeRO-2 and ZeRO-3 draw different random weights), global batch 64 x 2048 for both, 50 steps; then the
   # plain ZeRO-3 baseline at its best micro-batch and the same global batch
   prebuild
-  python3 -c "
-import sys; sys.path.insert(0, '.')
-import torch
-from transformers import AutoModelForCausalLM
-from engine.config import load_recipe
-from engine.data import load_tokenizer
-from engine.model import make_hf_config
-r = load_recipe('$REF'); tok = load_tokenizer(r.data.tokenizer); torch.manual_seed(0)
-with torch.device('cuda'):
-    m = AutoModelForCausalLM.from_config(make_hf_config(r.model, tok), dtype=torch.bfloat16)
-m.save_pretrained('/tmp/init_2b6'); tok.save_pretrained('/tmp/init_2b6')" > "$LOGS/init.log" 2>&1
-  echo "init: exit $?"
+  save_init
   S="--config $REF --steps 40 --warmup 10 --set model.init_from=/tmp/init_2b6"
   bench same_init_tuned 1 140 $S --deepspeed_config ds_configs/zero2.json
   bench same_init_untuned 1 230 $S --deepspeed_config ds_configs/zero3.json --ds_set gradient_accumulation_steps=8 \
@@ -127,6 +132,20 @@ E)
   bench tuned_fws_fgu 1 80 $S --deepspeed_config ds_configs/zero2.json $FWS $FGU --profile 2
   bench tuned_fws_fgu_x4_z1 1 95 $S --deepspeed_config ds_configs/zero2.json $FWS $FGU \
     --ds_set gradient_accumulation_steps=4 --ds_set zero_optimization.stage=1
+  ;;
+F)
+  # the bf16 noise floor for phase D's comparison: the shipped tuned config against itself at micro 8 x 8 (the
+  # same sums in another order) and with DeepSpeed's own combine, from the same saved init; then ZeRO-3 with the
+  # fused combine the engine now picks on CUDA (phase D's untuned run had DeepSpeed's combine written in)
+  prebuild
+  save_init
+  S="--config $REF --steps 40 --warmup 10 --set model.init_from=/tmp/init_2b6"
+  bench same_init_tuned_m8x8 1 150 $S --deepspeed_config ds_configs/zero2.json --micro_batch 8 \
+    --ds_set gradient_accumulation_steps=8
+  bench same_init_tuned_weighted_sum 1 140 $S --deepspeed_config ds_configs/zero2.json \
+    --ds_set expert_parallel.combine_impl=weighted_sum
+  bench z3_ep_m8x2 1 90 --config $REF --steps 10 --warmup 3 --deepspeed_config ds_configs/zero3.json \
+    --ds_set gradient_accumulation_steps=2
   ;;
 B)
   prebuild
