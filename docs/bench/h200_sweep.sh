@@ -7,6 +7,7 @@
 #   bash docs/bench/h200_sweep.sh E        # 1 GPU: AutoEP's fused top-k combine and fused gate/up, 4-step accumulation
 #   bash docs/bench/h200_sweep.sh D        # 1 GPU: the shipped tuned config vs untuned from one saved init, baseline
 #   bash docs/bench/h200_sweep.sh F        # 1 GPU: the noise floor for D (tuned vs itself), ZeRO-3 with the fused combine
+#   bash docs/bench/h200_sweep.sh G        # 1 GPU: ZeRO-3 + AutoEP with the fused vs DeepSpeed's combine, baseline
 #   bash docs/bench/h200_sweep.sh B        # 1 GPU: GRPO on the 2.6B recipe, seed-scale 5.3B under an 80 GB cap
 #   bash docs/bench/h200_sweep.sh C        # 2 GPUs: tuned 1 vs 2 GPUs, ZeRO-3, baseline, pipeline (multi-GPU issue)
 # Results: $OUT/bench_<phase>.jsonl (one JSON row per run, the table bin/bench.py prints), logs beside them.
@@ -60,7 +61,7 @@ m.save_pretrained('/tmp/init_2b6'); tok.save_pretrained('/tmp/init_2b6')" > "$LO
   echo "init: exit $?"
 }
 
-PHASE=${1:?phase A, A2, A3, B, C, D, E or F}
+PHASE=${1:?phase A, A2, A3, B, C, D, E, F or G}
 case "$PHASE" in
 A)
   # global batch 16 x 2048 tokens everywhere (micro 8 runs accumulate 2), 50 steps: rows carry every step's loss,
@@ -146,6 +147,15 @@ F)
     --ds_set expert_parallel.combine_impl=weighted_sum
   bench z3_ep_m8x2 1 90 --config $REF --steps 10 --warmup 3 --deepspeed_config ds_configs/zero3.json \
     --ds_set gradient_accumulation_steps=2
+  ;;
+G)
+  # ZeRO-3 + AutoEP at micro 8 x 2 ran 38.3k in phase F against 46.1k in phase A: the fused combine against
+  # DeepSpeed's own on one machine, and the plain baseline at the same micro-batch (is this host slower?)
+  prebuild
+  S="--config $REF --steps 10 --warmup 3 --deepspeed_config ds_configs/zero3.json --ds_set gradient_accumulation_steps=2"
+  bench z3_ep_m8x2_fused 1 70 $S
+  bench z3_ep_m8x2_weighted_sum 1 70 $S --ds_set expert_parallel.combine_impl=weighted_sum
+  bench base_z3_plain_m8x2 1 70 $S --no_autoep
   ;;
 B)
   prebuild
