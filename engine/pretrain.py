@@ -44,25 +44,41 @@ def overrides(args: argparse.Namespace) -> dict:
 
 
 def preflight(args: argparse.Namespace, world: World):
-    """Everything that can be checked before any rank does work; raises one ConfigError naming every problem."""
-    recipe = load_recipe(args.config, overrides(args))
-    ds = resolve_ds_config(read_ds_config(args.deepspeed_config), recipe, world.size, world.local_size,
-                           where=f"DeepSpeed config {args.deepspeed_config}", device=device_kind())
+    """Everything that can be checked before any rank does work; raises one ConfigError naming every problem.
+
+    The recipe, the DS JSON, the data path and the tokenizer are each checked even when another is broken; what
+    depends on a broken piece (the DS config against the recipe, the resume checks) is checked once it is fixed.
+    """
     problems = []
-    tok = None
+    recipe = raw = ds = tok = None
     try:
-        tok = load_tokenizer(recipe.data.tokenizer)
-        if len(tok) > recipe.model.vocab_size and not recipe.model.init_from:
-            problems.append(f"data.tokenizer has {len(tok)} tokens but model.vocab_size is "
-                            f"{recipe.model.vocab_size}; raise model.vocab_size to at least {len(tok)}")
+        recipe = load_recipe(args.config, overrides(args))
     except ConfigError as e:
         problems.append(str(e))
-    if looks_local(recipe.data.path):
+    try:
+        raw = read_ds_config(args.deepspeed_config)
+    except ConfigError as e:
+        problems.append(str(e))
+    if recipe is not None and raw is not None:
         try:
-            data_files(recipe.data.path)
+            ds = resolve_ds_config(raw, recipe, world.size, world.local_size,
+                                   where=f"DeepSpeed config {args.deepspeed_config}", device=device_kind())
         except ConfigError as e:
             problems.append(str(e))
-    if recipe.resume:
+    if recipe is not None:
+        try:
+            tok = load_tokenizer(recipe.data.tokenizer)
+            if len(tok) > recipe.model.vocab_size and not recipe.model.init_from:
+                problems.append(f"data.tokenizer has {len(tok)} tokens but model.vocab_size is "
+                                f"{recipe.model.vocab_size}; raise model.vocab_size to at least {len(tok)}")
+        except ConfigError as e:
+            problems.append(str(e))
+        if looks_local(recipe.data.path):
+            try:
+                data_files(recipe.data.path)
+            except ConfigError as e:
+                problems.append(str(e))
+    if ds is not None and recipe.resume:
         found, universal = checkpoint.check_resume(recipe, ds, world.size, world.rank)
         problems += found
         if universal:

@@ -147,6 +147,8 @@ TINY = (RECIPES / "tiny.yaml").read_text()
     ("resume_without_checkpoint", "--resume: no checkpoint in"),
     ("compile_under_zero3", "train.compile: true needs ZeRO stage 1 or 2 (this config has stage 3)"),
     ("compile_bad_value", "train.compile: 'fast' is not one of true, false, auto"),
+    ("recipe_and_json_together", "train.max_step: unknown key"),
+    ("ds_and_data_together", "train_batch_size (10) != "),
 ])
 def test_bad_input_is_one_clear_line_before_any_work(tmp_path, case, expect):
     ds, args, recipe, world = ZERO3, [], None, 1
@@ -169,12 +171,23 @@ def test_bad_input_is_one_clear_line_before_any_work(tmp_path, case, expect):
     elif case == "malformed_json":
         ds = tmp_path / "ds.json"
         ds.write_text('{"train_micro_batch_size_per_gpu": 8,, }')
+    elif case == "recipe_and_json_together":  # two broken inputs: both named in the one line
+        recipe = TINY.replace("max_steps: 600", "max_step: 600")
+        ds = tmp_path / "ds.json"
+        ds.write_text('{"train_micro_batch_size_per_gpu": 8,, }')
+    elif case == "ds_and_data_together":
+        ds = write_ds(tmp_path / "ds.json", train_batch_size=10)
+        args = ["--data", "/nonexistent/corpus.jsonl"]
     elif case == "resume_without_checkpoint":
         args = ["--resume"]
     elif case in ("compile_under_zero3", "compile_bad_value"):
         recipe = TINY.replace("max_steps: 600", "max_steps: 600\n  compile: " + ("true" if case == "compile_under_zero3" else "fast"))
     p = run_cli(tmp_path, "--deepspeed_config", ds, *args, world=world, recipe=recipe)
     assert p.returncode == 2, p.stderr[-2000:]
+    if case == "recipe_and_json_together":
+        assert f"; DeepSpeed config {ds}: malformed JSON at line 1" in p.stderr, p.stderr
+    if case == "ds_and_data_together":
+        assert "data.path /nonexistent/corpus.jsonl: no such file or folder" in p.stderr, p.stderr
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], p.stderr
     assert not (tmp_path / "run").exists()  # nothing started, nothing written

@@ -8,6 +8,7 @@
 #   bash docs/bench/h200_sweep.sh D        # 1 GPU: the shipped tuned config vs untuned from one saved init, baseline
 #   bash docs/bench/h200_sweep.sh F        # 1 GPU: the noise floor for D (tuned vs itself), ZeRO-3 with the fused combine
 #   bash docs/bench/h200_sweep.sh G        # 1 GPU: ZeRO-3 + AutoEP with the fused vs DeepSpeed's combine, baseline
+#   bash docs/bench/h200_sweep.sh H        # 1-2 GPUs: bin/pretrain.py as shipped, tiny default and 2.6B, 20 steps
 #   bash docs/bench/h200_sweep.sh B        # 1 GPU: GRPO on the 2.6B recipe, seed-scale 5.3B under an 80 GB cap
 #   bash docs/bench/h200_sweep.sh C        # 2 GPUs: tuned 1 vs 2 GPUs, ZeRO-3, baseline, pipeline (multi-GPU issue)
 # Results: $OUT/bench_<phase>.jsonl (one JSON row per run, the table bin/bench.py prints), logs beside them.
@@ -61,7 +62,7 @@ m.save_pretrained('/tmp/init_2b6'); tok.save_pretrained('/tmp/init_2b6')" > "$LO
   echo "init: exit $?"
 }
 
-PHASE=${1:?phase A, A2, A3, B, C, D, E, F or G}
+PHASE=${1:?phase A, A2, A3, B, C, D, E, F, G or H}
 case "$PHASE" in
 A)
   # global batch 16 x 2048 tokens everywhere (micro 8 runs accumulate 2), 50 steps: rows carry every step's loss,
@@ -156,6 +157,18 @@ G)
   bench z3_ep_m8x2_fused 1 70 $S
   bench z3_ep_m8x2_weighted_sum 1 70 $S --ds_set expert_parallel.combine_impl=weighted_sum
   bench base_z3_plain_m8x2 1 70 $S --no_autoep
+  ;;
+H)
+  # the engine issue's GPU check with the README's own command: the tiny default and the 2.6B recipe for 20 steps
+  # through bin/pretrain.py (not bench), as shipped (zero3.json), on every GPU of the machine
+  prebuild
+  N=$(python3 -c "import torch; print(torch.cuda.device_count())")
+  for r in tiny deepseek_2b6; do
+    t0=$SECONDS
+    timeout 200 $DS --num_gpus "$N" bin/pretrain.py --deepspeed_config ds_configs/zero3.json \
+      --config engine/recipes/$r.yaml --max_steps 20 --run_dir "/tmp/run_$r" > "$LOGS/pretrain_$r.log" 2>&1
+    echo "pretrain $r on $N GPU(s): exit $? in $((SECONDS - t0))s"; cp "/tmp/run_$r/metrics.jsonl" "$OUT/pretrain_${r}_${N}gpu.jsonl"
+  done
   ;;
 B)
   prebuild
