@@ -194,16 +194,43 @@ def test_bad_input_is_one_clear_line_before_any_work(tmp_path, case, expect):
 
 
 def test_metrics_and_overrides_reach_the_run(tmp_path):
-    """--max_steps/--run_dir/--data overrides through the real launcher, on a local parquet file."""
+    """--max_steps/--run_dir/--data overrides through the real launcher, on a local parquet file; the DS config's
+    monitor section receives the same metrics."""
     import datasets
 
     rows = [json.loads(line) for line in (ROOT / "engine" / "assets" / "corpus.jsonl").read_text().splitlines()[:2000]]
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "docs.parquet"))
     from conftest import launch
 
-    launch(1, PRETRAIN, "--deepspeed_config", ZERO3, "--max_steps", "5", "--data", tmp_path / "docs.parquet",
+    ds = write_ds(tmp_path / "ds.json", csv_monitor={"enabled": True, "output_path": str(tmp_path / "csv"),
+                                                     "job_name": "job"})
+    launch(1, PRETRAIN, "--deepspeed_config", ds, "--max_steps", "5", "--data", tmp_path / "docs.parquet",
            "--run_dir", tmp_path / "run", cwd=tmp_path)
     m = read_metrics(tmp_path / "run")
     assert m[-1]["step"] == 5 and m[-1]["world_size"] == 1
+    # DeepSpeed's monitor (csv here; tensorboard/wandb the same way) gets the rows metrics.jsonl gets
+    csv_rows = (tmp_path / "csv" / "job" / "Train_loss.csv").read_text().split()[1:]
+    assert [(int(a), float(b)) for a, b in (r.split(",") for r in csv_rows)] == [(r["step"], r["loss"]) for r in m]
     saved = json.loads((tmp_path / "run" / "checkpoints" / "step_00000005" / "engine_state.json").read_text())
     assert saved["recipe"]["data"]["path"] == str(tmp_path / "docs.parquet")
+
+
+def test_lr_warms_up_linearly_then_follows_a_cosine_to_the_floor():
+    from engine.parallel import warmup_cosine
+
+    f = warmup_cosine(warmup=10, total=110, min_ratio=0.1)
+    assert [f(s) for s in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])  # step s trains at (s+1)/warmup
+    after = [f(s) for s in range(10, 111)]
+    assert after[0] == 1.0 and all(a >= b for a, b in zip(after, after[1:]))
+    assert f(60) == pytest.approx(0.55)  # halfway through the decay: halfway between 1 and the floor
+    assert f(110) == pytest.approx(0.1) and f(500) == pytest.approx(0.1)  # stays at the floor past the end
+
+
+def test_plain_text_files_are_documents_one_per_line(tmp_path):
+    from engine.config import DataConfig
+    from engine.data import load_documents
+
+    (tmp_path / "a.txt").write_text("first document\nsecond one\n")
+    (tmp_path / "b.txt").write_text("third\n")
+    docs = load_documents(DataConfig(path=str(tmp_path)), streaming=False)
+    assert sorted(docs["text"]) == ["first document", "second one", "third"]
