@@ -234,3 +234,16 @@ def test_plain_text_files_are_documents_one_per_line(tmp_path):
     (tmp_path / "b.txt").write_text("third\n")
     docs = load_documents(DataConfig(path=str(tmp_path)), streaming=False)
     assert sorted(docs["text"]) == ["first document", "second one", "third"]
+
+
+@pytest.mark.parametrize("name", ["zero3_offload.json", "zero3_bf16_states.json"])
+def test_one_big_model_configs_train_the_default_on_two_cpu_ranks(tmp_path, name):
+    """The single-GPU configs for big models (CPU optimizer offload; bf16 optimizer states) as shipped: through
+    the launcher on 2 CPU ranks they train the tiny default (the GPU figures are in docs/benchmarks.md)."""
+    from conftest import launch
+
+    launch(2, PRETRAIN, "--deepspeed_config", ROOT / "ds_configs" / name, "--max_steps", "20",
+           "--run_dir", tmp_path / "run", cwd=tmp_path)
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [10, 20] and rows[-1]["world_size"] == 2
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.3, rows
