@@ -151,12 +151,16 @@ def save(engine, recipe: Recipe, state: dict, tokenizer=None) -> Path:
         files = _files(root / tag)
         for f in files:
             _fsync(f)  # on disk before `latest` can name them (a power cut must not leave a named, empty file)
-        manifest = {str(f.relative_to(root / tag)): {"size": f.stat().st_size, "zip": _is_zip(f)} for f in files}
-        _write_atomic(root / tag / MANIFEST, json.dumps({"tag": tag, "files": manifest}, indent=1))
+        _write_atomic(root / tag / MANIFEST, json.dumps({"tag": tag, "files": manifest(root / tag)}, indent=1))
         _write_atomic(root / "latest", tag)
         prune(root, recipe.checkpoint.keep_last)
     dist.barrier()
     return root / tag
+
+
+def manifest(folder: Path) -> dict:
+    """What manifest.json records of a tag folder: every other file, its size, and whether it is a zip."""
+    return {str(f.relative_to(folder)): {"size": f.stat().st_size, "zip": _is_zip(f)} for f in _files(folder)}
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -211,9 +215,9 @@ def check_resume(recipe: Recipe, ds: dict, world_size: int, rank: int = 0) -> tu
     older = sorted(p.parent.name for p in root.glob(f"step_*/{MANIFEST}") if p.parent.name < tag)
     fix = (f"restore it, or resume from an older checkpoint by writing its tag ({older[-1]}) into {root / 'latest'}"
            if older else "restore it, or start a fresh run_dir")
-    damage = _damage(where, verify_crc=rank == 0)
-    if damage:
-        return [f"--resume: checkpoint {where} is damaged ({damage}); {fix}"], False
+    bad = damage(where, verify_crc=rank == 0)
+    if bad:
+        return [f"--resume: checkpoint {where} is damaged ({bad}); {fix}"], False
     try:
         saved = json.loads((where / STATE_FILE).read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -247,8 +251,8 @@ def check_resume(recipe: Recipe, ds: dict, world_size: int, rank: int = 0) -> tu
     return problems, universal
 
 
-def _damage(folder: Path, verify_crc: bool) -> str | None:
-    """What is wrong with a saved tag folder, or None."""
+def damage(folder: Path, verify_crc: bool) -> str | None:
+    """What is wrong with a saved tag folder, or None. Also used by bin/zero_to_fp32 (engine/export.py)."""
     mf = folder / MANIFEST
     if mf.is_file():
         try:

@@ -22,7 +22,8 @@ transformers model of the recorded config, checked before anything is written.
 Memory: the output is written one safetensors shard at a time; for each shard every rank's optimizer file
 is opened memory-mapped, only the fp32 pieces that shard needs are read, and the file is closed again.
 Peak RAM is about one output shard plus one input file's share of it (Adam moments are never read).
-The export is built in a temporary folder next to OUTPUT_DIR and renamed into place at the end.
+The export is built in a temporary folder next to OUTPUT_DIR and renamed into place at the end. Before anything is
+read, the checkpoint is checked as `--resume` checks it (engine/checkpoint.py: manifest sizes, zip CRCs).
 """
 from __future__ import annotations
 
@@ -618,6 +619,12 @@ def export(checkpoint_dir: str | Path, output_dir: str | Path, tag: str | None =
     tag_dir = find_tag_dir(checkpoint_dir, tag).resolve()
     out = Path(output_dir).absolute()
     _check_output(out, tag_dir, force)
+    from .checkpoint import damage
+
+    bad = damage(tag_dir, verify_crc=True)  # what --resume checks: manifest sizes and zip CRCs (torch.load skips them)
+    if bad:
+        raise ExportError(f"checkpoint {tag_dir} is damaged ({bad}): a file is missing, truncated or corrupt; copy "
+                          "the checkpoint again, or export an older one with --tag")
     from .pipeline_export import pipeline_stages, plan_pipeline, write_pipeline
 
     pipeline = pipeline_stages(tag_dir) > 0  # a pipeline-parallel run (ds_configs/pipe.json)

@@ -175,6 +175,7 @@ def test_bf16_run_file_names(deepseek2, tmp_path):
     tag = copy_checkpoint(deepseek2["run"], tmp_path / "copy")
     for f in tag.glob("zero_pp_rank_*_optim_states.pt"):
         f.rename(tag / f"bf16_{f.name}")
+    reseal(tag)
     export_ok(tag, tmp_path / "a")  # a checkpoint folder itself
     export_ok(deepseek2["run"], tmp_path / "b")
     a, b = exported_tensors(tmp_path / "a"), exported_tensors(tmp_path / "b")
@@ -214,6 +215,13 @@ def copy_checkpoint(run: Path, to: Path) -> Path:
     shutil.copytree(src / tag, to / "checkpoints" / tag)
     (to / "checkpoints" / "latest").write_text(tag)
     return to / "checkpoints" / tag
+
+
+def reseal(tag: Path) -> None:
+    """Rewrite the copy's manifest.json for its files as they are now (as a save of them would have written it)."""
+    from engine.checkpoint import MANIFEST, manifest
+
+    (tag / MANIFEST).write_text(json.dumps({"tag": tag.name, "files": manifest(tag)}))
 
 
 def refused(p: subprocess.CompletedProcess, *words) -> None:
@@ -266,6 +274,58 @@ def test_truncated_shard(deepseek2, existing_output, tmp_path, which):
     untouched(existing_output)
 
 
+@pytest.mark.parametrize("which", ["optim", "model"])
+def test_flipped_byte_in_a_shard(deepseek2, existing_output, tmp_path, which):
+    """Same size, still a readable torch file: only the manifest's zip CRCs (engine/checkpoint.py) catch it."""
+    from engine.export import _load
+
+    tag = copy_checkpoint(deepseek2["run"], tmp_path / "copy")
+    f = tag / f"zero_pp_rank_1_mp_rank_00_{which}_states.pt"
+    size = f.stat().st_size
+    flip_byte(f)
+    assert f.stat().st_size == size
+    _load(f)  # torch.load reads the flipped value without complaint
+    refused(zero_to_fp32(tmp_path / "copy", existing_output, "--force"), f.name, "CRC", "truncated or corrupt")
+    untouched(existing_output)
+
+
+def flip_byte(f: Path) -> None:
+    """Invert one byte in the middle of the file's largest tensor storage (a zip entry under data/)."""
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(f) as z:
+        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    data = bytearray(f.read_bytes())
+    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26:info.header_offset + 30])
+    data[info.header_offset + 30 + name_len + extra_len + info.file_size // 2] ^= 0xFF  # past the local header
+    f.write_bytes(bytes(data))
+
+
+class Payload:
+    """Pickles as a call of os.system: unpickling it without weights_only would run the command."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+@pytest.mark.parametrize("which", ["optim", "model"])
+def test_foreign_pickled_global_is_never_run(deepseek2, existing_output, tmp_path, which):
+    tag = copy_checkpoint(deepseek2["run"], tmp_path / "copy")
+    f = tag / f"zero_pp_rank_1_mp_rank_00_{which}_states.pt"
+    marker = tmp_path / "payload_ran"
+    sd = torch.load(f, weights_only=False)  # our own test's file
+    sd["extra"] = Payload(f"touch {marker}")
+    torch.save(sd, f)
+    reseal(tag)  # a consistent checkpoint, so the refusal is the unpickling's and not the manifest's
+    refused(zero_to_fp32(tmp_path / "copy", existing_output, "--force"), f.name, "posix.system", "refusing to unpickle")
+    assert not marker.exists()
+    untouched(existing_output)
+
+
 def test_missing_rank_file(deepseek2, existing_output, tmp_path):
     tag = copy_checkpoint(deepseek2["run"], tmp_path / "copy")
     (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
@@ -278,6 +338,7 @@ def test_shapes_that_do_not_match_the_recorded_config(deepseek2, existing_output
     state = json.loads((tag / "engine_state.json").read_text())
     state["recipe"]["model"]["moe_intermediate_size"] = 40
     (tag / "engine_state.json").write_text(json.dumps(state))
+    reseal(tag)  # not damaged: a consistent checkpoint whose recorded config is not the one its shards have
     refused(zero_to_fp32(tag, existing_output, "--force"), "does not match", "gate_up_proj")
     untouched(existing_output)
 
