@@ -80,6 +80,17 @@ def qwen4(tmp_path_factory):
     return train_and_probe(tmp_path_factory.mktemp("export") / "qwen4", QWEN, 4, "qwen3_moe", autoep_size=2)
 
 
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    # 2 ranks, expert parallel 2: each rank holds 2 of the 4 experts whole, dense parameters half each.
+    return train_and_probe(tmp_path_factory.mktemp("export") / "qwen2", QWEN, 2, "qwen3_moe", autoep_size=2)
+
+
+@pytest.fixture(scope="module")
+def qwen1(tmp_path_factory):
+    return train_and_probe(tmp_path_factory.mktemp("export") / "qwen1", QWEN, 1, "qwen3_moe")
+
+
 def zero_to_fp32(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ZERO_TO_FP32), *map(str, args)], env=env(), capture_output=True,
                           text=True, timeout=300)
@@ -90,6 +101,10 @@ def export_ok(*args) -> None:
     assert p.returncode == 0, p.stdout + p.stderr
 
 
+def latest_tag(run: Path) -> Path:
+    return run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+
+
 def fresh_state(run: Path) -> dict:
     """State dict of a freshly built transformers model of the run's recorded config (engine/model.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -97,7 +112,7 @@ def fresh_state(run: Path) -> dict:
     from engine.config import ModelConfig
     from engine.model import make_hf_config as hf_config
 
-    ckpt = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    ckpt = latest_tag(run)
     model_section = json.loads((ckpt / "engine_state.json").read_text())["recipe"]["model"]
     cfg = hf_config(ModelConfig(**model_section), AutoTokenizer.from_pretrained(ckpt / "tokenizer"))
     with torch.device("meta"):
@@ -123,11 +138,24 @@ def hf_logits(out: Path, dtype=torch.float32) -> torch.Tensor:
         return model(input_ids=fixed_ids()).logits.float()
 
 
-@pytest.mark.parametrize("case", ["deepseek2", "deepseek1", "qwen4"])
+LAYOUTS = {"deepseek2": (2, 2), "deepseek1": (1, 1), "qwen4": (4, 2), "qwen2": (2, 2), "qwen1": (1, 1)}  # ranks, EP
+
+
+@pytest.mark.parametrize("case", list(LAYOUTS))
 def test_export_gives_the_engines_logits(case, request, tmp_path):
     run = request.getfixturevalue(case)
+    state = json.loads((latest_tag(run["run"]) / "engine_state.json").read_text())
+    assert (state["world_size"], state["autoep_size"]) == LAYOUTS[case]
     out = tmp_path / "hf"
     export_ok(run["run"], out)  # a run dir: its checkpoints/latest
+
+    # Safetensors only: the weights, their index, the two configs and the tokenizer's files (no .bin/.pt/.pkl).
+    tokenizer = {f.name for f in (latest_tag(run["run"]) / "tokenizer").iterdir()}
+    assert tokenizer and not {f for f in tokenizer if f.endswith((".bin", ".pt", ".pth", ".pkl", ".pickle"))}
+    names = {f.name for f in out.iterdir()}
+    assert all(f.is_file() for f in out.iterdir())
+    assert names - tokenizer == {"model.safetensors.index.json", "config.json", "generation_config.json",
+                                 *(f.name for f in out.glob("model-*-of-*.safetensors"))}
 
     fresh = fresh_state(run["run"])
     tensors = exported_tensors(out)
