@@ -1,0 +1,37 @@
+"""Peak RSS of bin/zero_to_fp32's export, measured in this process.
+usage: python tests/scripts/export_rss.py CHECKPOINT_DIR OUTPUT_DIR [zero_to_fp32 options]
+Prints one JSON line, peak RSS (VmHWM) in MiB at three points:
+  imports_mib  after importing what the export imports;
+  planned_mib  after planning the export once (engine/export.py:plan_export): it reads every file's metadata,
+               loads the tokenizer and builds the transformers model on the meta device, but reads no weights;
+  peak_mib     after the whole export (which plans again, then writes the shards).
+VmHWM, not getrusage's ru_maxrss: on Linux ru_maxrss keeps the parent's peak across fork + exec (a child of a
+400 MiB pytest starts at 400 MiB), while VmHWM belongs to this process's own address space.
+"""
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import safetensors.torch  # noqa: E402,F401  (what the export imports lazily)
+import torch  # noqa: E402,F401
+import transformers  # noqa: E402,F401
+
+from engine import checkpoint, export, pipeline_export  # noqa: E402,F401
+
+
+def peak_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024  # kB
+
+
+if __name__ == "__main__":
+    figures = {"imports_mib": peak_mib()}
+    args = export.parse_args(sys.argv[1:])
+    export.plan_export(export.find_tag_dir(args.checkpoint_dir, args.tag).resolve(), args.dtype)
+    figures["planned_mib"] = peak_mib()
+    rc = export.main(sys.argv[1:])
+    figures["peak_mib"] = peak_mib()
+    print(json.dumps({"rc": rc, **{k: round(v, 1) for k, v in figures.items()}}), flush=True)
+    sys.exit(rc)
