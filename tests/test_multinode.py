@@ -1,13 +1,14 @@
 """Multi-node through the real path, on one machine: two "droplets" at 127.0.0.2 and 127.0.0.3.
 
 An sshd listens on both addresses (a free port, a throwaway key, a marked block at the top of ~/.ssh/config
-that teardown removes), and `deepspeed --hostfile hostfiles/lo_2node --master_addr 127.0.0.2` goes the way
+that teardown removes), and `deepspeed --hostfile hostfiles/do_2node --master_addr 127.0.0.2` goes the way
 it goes between droplets: the runner's ssh check, pdsh over ssh, one launcher per host (node ranks 0 and
 1), the environment from .deepspeed_env. Where mount namespaces are allowed, node 1's sshd runs in its own
 one with RUN_DIR bind-mounted from another folder, so each node writes its checkpoint shards to its own
 disk, as droplets do, and the guide's rsync steps are what makes --resume and the export work.
 
-The commands are docs/multinode.md's, with 127.0.0.x for 10.124.0.x and a free port for 29500. Needs
+The commands are docs/multinode.md's `sh` blocks, taken from that file and run as written with the guide's
+variables set to this machine's values (VARS: addresses, port, interface, one slot per node). Needs
 openssh-server, pdsh and rsync: installed with apt-get when missing; skipped only when that is impossible.
 Never signal the deepspeed runner with SIGTERM/SIGINT here: its handler runs `pkill -f` over pdsh for every
 DeepSpeed launcher on the hosts, other people's too. Every process is ended by pid (SIGKILL).
@@ -15,8 +16,8 @@ DeepSpeed launcher on the hosts, other people's too. Every process is ended by p
 from __future__ import annotations
 
 import fcntl
-import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -28,24 +29,28 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
-from conftest import DEEPSPEED, ROOT, env, free_port, read_metrics
+from conftest import ROOT, env, free_port, read_metrics
 
 from engine.cluster import InputError, parse_hostfile, read_deepspeed_env
 
 NODE0, NODE1, NOWHERE = "127.0.0.2", "127.0.0.3", "127.0.0.9"  # NOWHERE: nothing listens there
-HOSTFILE = "hostfiles/lo_2node"
-RUN = "runs/do2"
-RECIPE = "recipes/do2.yaml"  # the guide passes a real recipe here; this one is tiny and checkpoints often
-EVERY, STEPS = 40, 120
-RECIPE_TEXT = f"""
-model: {{arch: deepseek_v3, hidden_size: 64, num_layers: 2, num_heads: 4, intermediate_size: 128,
-        moe_intermediate_size: 64, num_experts: 8, experts_per_token: 2, num_shared_experts: 1,
-        vocab_size: 512, max_position_embeddings: 512}}
-data: {{seq_len: 64}}
-train: {{max_steps: {STEPS}, warmup_steps: 5, log_every: 10}}
-checkpoint: {{every_steps: {EVERY}, keep_last: 2}}
-"""
+HOSTFILE = "hostfiles/do_2node"
+GUIDE = ROOT / "docs" / "multinode.md"
+# The guide's `sh` blocks, in its order; every one is run below, as written.
+BLOCKS = ["vars", "hostfile", "ssh-config", "ssh-check", "sync-code", "deepspeed-env", "check", "launch",
+          "sync-checkpoints", "resume"]
+RUN = "runs/smoke"  # the guide's smoke launch: the embedded tiny recipe, --max_steps STEPS
+EVERY, LOG_EVERY = 200, 10  # engine/recipes/tiny.yaml: checkpoint.every_steps, train.log_every
+
+
+def guide_blocks() -> dict[str, str]:
+    """docs/multinode.md's fenced blocks opened with ```sh NAME, by name, in order."""
+    return dict(re.findall(r"^```sh (\S+)\n(.*?)^```$", GUIDE.read_text(), re.M | re.S))
+
+
+STEPS = int(re.search(r"--max_steps (\d+)", guide_blocks().get("launch", "--max_steps 0")).group(1))
 SBIN = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
 PACKAGES = {"sshd": "openssh-server", "ssh": "openssh-client", "ssh-keygen": "openssh-client", "pdsh": "pdsh",
             "rsync": "rsync"}
@@ -99,15 +104,26 @@ def wait_listening(addr: str, port: int, proc: subprocess.Popen, log: Path, time
     raise AssertionError(f"sshd on {addr}:{port} is not listening after {timeout} s: {log.read_text()[-2000:]}")
 
 
-def ssh_config_block(token: str, port: int, key: Path) -> str:
-    # At the top: ssh takes the first value it finds for each option, so a `Host *` further down the user's
-    # file cannot override ours. The closing `Host *` hands the rest of the file back to every host.
+def ssh_config_block(token: str, port: int, key: Path, known_hosts: Path) -> str:
+    # Only what differs from droplets (our sshd's port, a throwaway key, a known-hosts file of our own); the
+    # guide's ssh-config block, appended below, brings the rest. At the top: ssh takes the first value it
+    # finds for each option. The closing `Host *` hands the rest of the file back to every host.
     return (f"# >>> {token} >>>\n"
             f"Host {NODE0} {NODE1} {NOWHERE}\n"
             f"    Port {port}\n    IdentityFile {key}\n    IdentitiesOnly yes\n"
-            f"    StrictHostKeyChecking no\n    UserKnownHostsFile /dev/null\n    LogLevel ERROR\n"
-            f"    ConnectTimeout 5\n    ServerAliveInterval 5\n    ServerAliveCountMax 3\n"
+            f"    UserKnownHostsFile {known_hosts}\n"
             f"Host *\n# <<< {token} <<<\n")
+
+
+def guide_env(cluster) -> dict:
+    """The guide's variables with this machine's values: the only difference from the guide's commands."""
+    return dict(os.environ, NODE0=NODE0, NODE1=NODE1, PORT=str(cluster.port), IFNAME="lo", GPUS="1")
+
+
+def run_block(cluster, name: str, **kw) -> subprocess.CompletedProcess:
+    """One of the guide's blocks, as written, from the launch directory."""
+    return subprocess.run(["bash", "-eu", "-o", "pipefail", "-c", guide_blocks()[name]], cwd=cluster.work,
+                          env=guide_env(cluster), **kw)
 
 
 def edit_ssh_config(change) -> None:
@@ -215,13 +231,7 @@ def cluster(tmp_path_factory):
     work.mkdir()
     for d in ("bin", "ds_configs", "engine", "tests"):
         (work / d).symlink_to(ROOT / d)
-    (work / "hostfiles").mkdir()
-    (work / "recipes").mkdir()
-    (work / RECIPE).write_text(RECIPE_TEXT)
-    (work / HOSTFILE).write_text(f"{NODE0} slots=1\n{NODE1} slots=1\n")
-    # What the remote ranks need beyond the PYTHON* variables the runner forwards by itself. KEY=VALUE lines
-    # only: DeepSpeed's runner reads every line as one.
-    (work / ".deepspeed_env").write_text(f"PATH={os.environ['PATH']}\nOMP_NUM_THREADS=1\nTOKENIZERS_PARALLELISM=false\n")
+    (work / "hostfiles").mkdir()  # the guide's hostfile block writes do_2node here
     (work / "runs").mkdir()
     node1_runs = tmp / "node1_disk"  # node 1's own disk, where mount namespaces are allowed
     node1_runs.mkdir()
@@ -278,28 +288,40 @@ LogLevel ERROR
         else:
             start("nodes", [sshd, "-D", "-e", "-f", str(sshd_config("nodes", NODE0, NODE1))], NODE0)
             wait_listening(NODE1, port, procs[0], tmp / "sshd_nodes.log")
-        edit_ssh_config(lambda text: ssh_config_block(token, port, key) + text)
-        for host in (NODE0, NODE1):
-            p = subprocess.run(["ssh", "-o", "BatchMode=yes", host, "true"], capture_output=True, text=True,
-                               timeout=30)
-            assert p.returncode == 0, f"ssh {host}: {p.stderr}"
+        edit_ssh_config(lambda text: ssh_config_block(token, port, key, tmp / "known_hosts") + text)
+        for _ in range(5):  # the guide's rendezvous port
+            rdv = free_port()
+            if rdv != port and port_free_on(rdv, NODE0):
+                break
+        c = SimpleNamespace(tmp=tmp, work=work, port=rdv, local_disks=local_disks,
+                            node1_runs=node1_runs if local_disks else work / "runs", sshd=[p.pid for p in procs])
+
+        def append_guide_ssh_config(text: str) -> str:  # under the lock; marked so that teardown removes it
+            run_block(c, "ssh-config", check=True, timeout=30)
+            new = (Path.home() / ".ssh" / "config").read_text()
+            assert new.startswith(text), "~/.ssh/config changed under the lock"
+            return text + f"# >>> {token} guide >>>\n" + new[len(text):] + f"# <<< {token} guide <<<\n"
+
+        edit_ssh_config(append_guide_ssh_config)
+        for name in ("hostfile", "ssh-check", "sync-code", "deepspeed-env"):
+            p = run_block(c, name, capture_output=True, text=True, timeout=120)
+            assert p.returncode == 0, f"guide block {name}: {p.stdout}{p.stderr}"
         print(f"\nsshd on {NODE0} and {NODE1} port {port}; node 1 has its own disk for runs/: {local_disks}")
-        yield SimpleNamespace(tmp=tmp, work=work, port=port, local_disks=local_disks,
-                              node1_runs=node1_runs if local_disks else work / "runs", sshd=[p.pid for p in procs])
+        yield c
     finally:
         kill(procs_in(work))
         for p in procs:
             kill(q for q in map(int, filter(str.isdigit, os.listdir("/proc"))) if ppid(q) == p.pid)  # sessions
             p.kill()
             p.wait()
-        edit_ssh_config(lambda text: remove_block(text, token))
+        edit_ssh_config(lambda text: remove_block(remove_block(text, token), f"{token} guide"))
 
 
-def launch(cluster, *args: str, log: str) -> subprocess.Popen:
-    """The guide's command, from the launch directory, in its own session (so we can SIGKILL it whole)."""
-    cmd = [DEEPSPEED, "--hostfile", HOSTFILE, "--master_addr", NODE0, "--master_port", str(free_port()), *args]
-    return subprocess.Popen(cmd, cwd=cluster.work, env=env(), stdout=open(cluster.tmp / log, "w"),
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+def launch(cluster, name: str, log: str) -> subprocess.Popen:
+    """The guide's launch block `name`, from the launch directory, in its own session (to SIGKILL it whole)."""
+    return subprocess.Popen(["bash", "-eu", "-o", "pipefail", "-c", guide_blocks()[name]], cwd=cluster.work,
+                            env=guide_env(cluster), stdout=open(cluster.tmp / log, "w"), stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
 
 
 def wait_for(cond, timeout: float, what: str, job: subprocess.Popen, log: Path) -> None:
@@ -316,16 +338,24 @@ def tag(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def train_args(run_dir: str, script: str = "bin/pretrain.py") -> list[str]:
-    return [script, "--deepspeed_config", "ds_configs/zero3.json", "--config", RECIPE, "--run_dir", run_dir]
-
-
 def latest(run_dir: Path) -> str | None:
     f = run_dir / "checkpoints" / "latest"
     return f.read_text().strip() if f.is_file() else None
 
 
 # ---------------------------------------------------------------------------------------------- no cluster
+
+
+def test_the_guide_blocks_are_the_ones_this_test_runs():
+    blocks = guide_blocks()
+    assert list(blocks) == BLOCKS  # a block added to the guide must be run here too
+    assert re.findall(r"^(\w+)=", blocks["vars"], re.M) == ["NODE0", "NODE1", "PORT", "IFNAME", "GPUS"]
+    for name, text in blocks.items():  # addresses (and the port) only through the variables
+        assert name == "vars" or not re.search(r"10\.124\.|29500", text), (name, text)
+    assert blocks["resume"].strip() == blocks["launch"].strip() + " --resume"
+    tiny = yaml.safe_load((ROOT / "engine" / "recipes" / "tiny.yaml").read_text())
+    assert (tiny["checkpoint"]["every_steps"], tiny["train"]["log_every"]) == (EVERY, LOG_EVERY)
+    assert EVERY < STEPS  # the smoke run checkpoints before its end: the kill and resume below need it
 
 
 def test_shipped_hostfiles_parse():
@@ -358,7 +388,8 @@ def check_cluster(cwd: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_check_cluster_prints_the_table_and_bus_bandwidth(cluster):
-    p = check_cluster(cluster.work, "--hostfile", HOSTFILE, "--master_addr", NODE0)
+    p = run_block(cluster, "check", capture_output=True, text=True, timeout=600)
+    print(p.stdout, p.stderr)
     assert p.returncode == 0, p.stdout + p.stderr
     lines = p.stdout.splitlines()
     assert lines[0].split()[:8] == ["host", "slots", "gpus", "python", "torch", "deepspeed", "transformers", "engine"]
@@ -406,23 +437,23 @@ def test_check_cluster_refuses_a_deepspeed_env_the_runner_would_choke_on(tmp_pat
 
 @pytest.fixture(scope="module")
 def job(cluster):
-    """The guide's two-node pretraining job (STEPS steps, a checkpoint every EVERY)."""
-    state = SimpleNamespace(proc=launch(cluster, *train_args(RUN), log="job.log"), log=cluster.tmp / "job.log")
+    """The guide's two-node smoke launch (STEPS steps, a checkpoint every EVERY)."""
+    state = SimpleNamespace(proc=launch(cluster, "launch", log="job.log"), log=cluster.tmp / "job.log")
     yield state
     end_job(state.proc, cluster.work)
 
 
 def test_two_node_job_trains_and_checkpoints(cluster, job):
-    run0, run1 = cluster.work / RUN, cluster.node1_runs / "do2"
-    wait_for(lambda: latest(run0) == tag(EVERY), 400, f"checkpoint {tag(EVERY)}", job.proc, job.log)
+    run0, run1 = cluster.work / RUN, cluster.node1_runs / "smoke"
+    wait_for(lambda: latest(run0) == tag(EVERY), 900, f"checkpoint {tag(EVERY)}", job.proc, job.log)
     log = job.log.read_text()
     # The multi-node path: pdsh prefixes each host's lines; one launcher per host, node ranks 0 and 1.
     assert f"{NODE0}: " in log and f"{NODE1}: " in log
     assert "nnodes=2, num_local_procs=1, node_rank=0" in log and "nnodes=2, num_local_procs=1, node_rank=1" in log
     rows = read_metrics(run0)
-    assert [r["step"] for r in rows][:EVERY // 10] == list(range(10, EVERY + 1, 10))
+    assert [r["step"] for r in rows][:EVERY // LOG_EVERY] == list(range(LOG_EVERY, EVERY + 1, LOG_EVERY))
     assert all(r["world_size"] == 2 for r in rows)
-    assert rows[EVERY // 10 - 1]["loss"] < 6.24 - 1.0  # ln(512) = 6.24 at step 0: it trained
+    assert rows[EVERY // LOG_EVERY - 1]["loss"] < 6.24 - 1.0  # ln(512) = 6.24 at step 0: it trained
     ck0, ck1 = run0 / "checkpoints" / tag(EVERY), run1 / "checkpoints" / tag(EVERY)
     assert (ck0 / "zero_pp_rank_0_mp_rank_00_model_states.pt").is_file() and (ck0 / "rng_rank0.pt").is_file()
     assert (ck1 / "zero_pp_rank_1_mp_rank_00_model_states.pt").is_file() and (ck1 / "rng_rank1.pt").is_file()
@@ -449,7 +480,7 @@ def test_killing_one_rank_ends_the_whole_job_within_60s(cluster, job):
     time.sleep(2)
     left = [p for p in procs_in(cluster.work) if "pretrain" in proc_cmdline(p)]
     assert not left, [proc_cmdline(p) for p in left]  # no rank or launcher left behind on either node
-    assert latest(cluster.work / RUN) in (tag(EVERY), tag(2 * EVERY))
+    assert latest(cluster.work / RUN) == tag(EVERY)
 
 
 def test_resume_after_syncing_checkpoints_completes(cluster, job):
@@ -458,21 +489,20 @@ def test_resume_after_syncing_checkpoints_completes(cluster, job):
     run = cluster.work / RUN
     # The guide's steps for node-local disks, on node 0: gather every node's shards, then give every node
     # the whole checkpoint (`latest`, manifest, rank 0's files) so that each rank's resume check passes.
-    for cmd in (f"rsync -a {NODE1}:{run}/checkpoints/ {RUN}/checkpoints/",
-                f"rsync -a {RUN}/checkpoints/ {NODE1}:{run}/checkpoints/"):
-        subprocess.run(cmd.split(), cwd=cluster.work, check=True, timeout=120)
+    run_block(cluster, "sync-checkpoints", check=True, timeout=120)
     resumed_from = latest(run)
-    assert (cluster.node1_runs / "do2" / "checkpoints" / "latest").read_text().strip() == resumed_from
-    p = launch(cluster, *train_args(RUN), "--resume", log="resume.log")
+    assert (cluster.node1_runs / "smoke" / "checkpoints" / "latest").read_text().strip() == resumed_from
+    before = len(read_metrics(run))  # metrics.jsonl is appended to: the killed run's rows come first
+    p = launch(cluster, "resume", log="resume.log")
     try:
         rc = p.wait(timeout=600)
     finally:
         end_job(p, cluster.work)
     assert rc == 0, tail(cluster.tmp / "resume.log")
     rows = read_metrics(run)
-    steps = [r["step"] for r in rows]
     start = int(resumed_from.split("_")[1])
-    assert steps[-((STEPS - start) // 10):] == list(range(start + 10, STEPS + 1, 10)), steps  # resumed, then on
+    # Only a resume writes these rows: a run from step 0 would start at LOG_EVERY.
+    assert [r["step"] for r in rows[before:]] == list(range(start + LOG_EVERY, STEPS + 1, LOG_EVERY)), rows
     assert all(r["world_size"] == 2 for r in rows)
     assert latest(run) == tag(STEPS)
 
@@ -481,15 +511,16 @@ def test_a_frozen_node_ends_the_job_within_60s_with_the_peer_watchdog(cluster):
     """A node that vanishes without closing its connections (power loss, kernel panic, network partition),
     played by SIGSTOP on node 1's rank, its launcher and its ssh session. Without the peer watchdog the
     surviving rank waits in its collective for torch's default group timeout (30 min on gloo); with it
-    (tests/scripts/pretrain_watchdog.py = bin/pretrain.py + the change proposed for engine/parallel.py),
-    it ends itself within MOE_PEER_TIMEOUT (30 s), and ssh's ServerAliveInterval ends node 1's pdsh leg."""
-    script = "tests/scripts/pretrain_watchdog.py"
-    job = launch(cluster, *train_args("runs/frozen", script), log="frozen.log")
+    (every rank starts it, engine/parallel.py) it ends itself within MOE_PEER_TIMEOUT (30 s), and the
+    guide's ServerAliveInterval ends node 1's pdsh leg. The guide's smoke launch again, from a clean run dir."""
+    for d in (cluster.work / RUN, cluster.node1_runs / "smoke"):
+        shutil.rmtree(d, ignore_errors=True)
+    job = launch(cluster, "launch", log="frozen.log")
     log = cluster.tmp / "frozen.log"
     frozen: list[int] = []
     try:
-        wait_for(lambda: (cluster.work / "runs/frozen/metrics.jsonl").is_file(), 400, "a logged step", job, log)
-        pid = rank_pid(cluster.work, 1, script)
+        wait_for(lambda: (cluster.work / RUN / "metrics.jsonl").is_file(), 400, "a logged step", job, log)
+        pid = rank_pid(cluster.work, 1, "bin/pretrain.py")
         assert pid, "rank 1 not found"
         while pid and not proc_cmdline(pid).startswith("sshd"):  # rank -> launcher -> ... -> its ssh session
             frozen.append(pid)
