@@ -9,6 +9,7 @@
 #   bash docs/bench/h200_sweep.sh F        # 1 GPU: the noise floor for D (tuned vs itself), ZeRO-3 with the fused combine
 #   bash docs/bench/h200_sweep.sh G        # 1 GPU: ZeRO-3 + AutoEP with the fused vs DeepSpeed's combine, baseline
 #   bash docs/bench/h200_sweep.sh H        # 1-2 GPUs: bin/pretrain.py as shipped, tiny default and 2.6B, 20 steps
+#   bash docs/bench/h200_sweep.sh I        # 1 GPU: the headline pair again (shipped tuned vs plain ZeRO-3 baseline), twice
 #   bash docs/bench/h200_sweep.sh B        # 1 GPU: GRPO on the 2.6B recipe, seed-scale 5.3B under an 80 GB cap
 #   bash docs/bench/h200_sweep.sh C        # 2 GPUs: tuned 1 vs 2 GPUs, ZeRO-3, baseline, pipeline (multi-GPU issue)
 # Results: $OUT/bench_<phase>.jsonl (one JSON row per run, the table bin/bench.py prints), logs beside them.
@@ -62,7 +63,7 @@ m.save_pretrained('/tmp/init_2b6'); tok.save_pretrained('/tmp/init_2b6')" > "$LO
   echo "init: exit $?"
 }
 
-PHASE=${1:?phase A, A2, A3, B, C, D, E, F, G or H}
+PHASE=${1:?phase A, A2, A3, B, C, D, E, F, G, H or I}
 case "$PHASE" in
 A)
   # global batch 16 x 2048 tokens everywhere (micro 8 runs accumulate 2), 50 steps: rows carry every step's loss,
@@ -168,6 +169,17 @@ H)
     timeout 200 $DS --num_gpus "$N" bin/pretrain.py --deepspeed_config ds_configs/zero3.json \
       --config engine/recipes/$r.yaml --max_steps 20 --run_dir "/tmp/run_$r" > "$LOGS/pretrain_$r.log" 2>&1
     echo "pretrain $r on $N GPU(s): exit $? in $((SECONDS - t0))s"; cp "/tmp/run_$r/metrics.jsonl" "$OUT/pretrain_${r}_${N}gpu.jsonl"
+  done
+  ;;
+I)
+  # the 1.72x headline (phase E/D) came from one run pair: the shipped tuned config and the plain ZeRO-3 baseline
+  # at the same global batch (64 x 2048), alternated twice on one machine
+  prebuild
+  S="--config $REF --steps 16 --warmup 4"
+  for k in 1 2; do
+    bench tuned_r$k 1 80 $S --deepspeed_config ds_configs/zero2.json
+    bench base_z3_plain_m16x4_r$k 1 110 $S --deepspeed_config ds_configs/zero3.json --no_autoep --micro_batch 16 \
+      --ds_set gradient_accumulation_steps=4
   done
   ;;
 B)
