@@ -12,6 +12,8 @@
 #   bash docs/bench/h200_sweep.sh I        # 1 GPU: the headline pair again (shipped tuned vs plain ZeRO-3 baseline), twice
 #   bash docs/bench/h200_sweep.sh B        # 1 GPU: GRPO on the 2.6B recipe, seed-scale 5.3B under an 80 GB cap
 #   bash docs/bench/h200_sweep.sh C        # 2 GPUs: tuned 1 vs 2 GPUs, ZeRO-3, baseline, pipeline (multi-GPU issue)
+#   bash docs/bench/h200_sweep.sh CN       # 4 or 8 GPUs: tuned 1 vs N GPUs (weak scaling), ZeRO-3, baseline on N
+#   bash docs/bench/h200_sweep.sh J        # 8 GPUs: the ~16B recipe with expert parallel 8, GRPO on the 2.6B recipe
 # Results: $OUT/bench_<phase>.jsonl (one JSON row per run, the table bin/bench.py prints), logs beside them.
 set -u
 OUT=${OUT:-/tmp/bench_out}
@@ -35,10 +37,10 @@ bench() {  # bench LABEL GPUS TIMEOUT ARGS...: one bin/bench.py run, a row in $O
     > "$LOGS/$label.log" 2>&1
   echo "$label: exit $? in $((SECONDS - t0))s $(grep -m1 -oE 'OutOfMemoryError|Error: .{0,120}' "$LOGS/$label.log")"
 }
-grpo() {  # grpo LABEL TIMEOUT ARGS...: 5 GRPO steps of grpo_2b6 on 1 GPU, its metrics as $OUT/LABEL_metrics.jsonl
+grpo() {  # grpo LABEL TIMEOUT ARGS...: 5 GRPO steps of grpo_2b6 on $GRPO_GPUS (1) GPUs, metrics as $OUT/LABEL_metrics.jsonl
   local label=$1 limit=$2 t0=$SECONDS; shift 2
   sed 's/every_minutes: 60/every_minutes: 0\n  at_end: false/' engine/recipes/grpo_2b6.yaml > /tmp/grpo_2b6.yaml
-  timeout "$limit" $DS --num_gpus 1 bin/grpo.py --deepspeed_config ds_configs/zero3_grpo.json \
+  timeout "$limit" $DS --num_gpus "${GRPO_GPUS:-1}" bin/grpo.py --deepspeed_config ds_configs/zero3_grpo.json \
     --config /tmp/grpo_2b6.yaml --run_dir "/tmp/$label" --max_steps 5 "$@" > "$LOGS/$label.log" 2>&1
   echo "$label: exit $? in $((SECONDS - t0))s"; cp "/tmp/$label/metrics.jsonl" "$OUT/${label}_metrics.jsonl" 2>/dev/null
 }
@@ -63,7 +65,7 @@ m.save_pretrained('/tmp/init_2b6'); tok.save_pretrained('/tmp/init_2b6')" > "$LO
   echo "init: exit $?"
 }
 
-PHASE=${1:?phase A, A2, A3, B, C, D, E, F, G, H or I}
+PHASE=${1:?phase A, A2, A3, B, C, CN, D, E, F, G, H, I or J}
 case "$PHASE" in
 A)
   # global batch 16 x 2048 tokens everywhere (micro 8 runs accumulate 2), 50 steps: rows carry every step's loss,
@@ -206,6 +208,28 @@ C)
   bench base_z3_plain_m16x2_2gpu 2 90 $S --deepspeed_config ds_configs/zero3.json --no_autoep --micro_batch 16 \
     --ds_set gradient_accumulation_steps=2
   bench pipe_2gpu 2 90 $S --deepspeed_config ds_configs/pipe.json
+  ;;
+CN)
+  # weak scaling 1 -> N (4 or 8) GPUs at the same per-GPU micro-batch (expert parallel N: 32 experts, 32/N per GPU),
+  # then ZeRO-3 + AutoEP and the plain ZeRO-3 baseline on N GPUs at the same global batch
+  prebuild
+  N=$(python3 -c "import torch; print(torch.cuda.device_count())")
+  S="--config $REF --steps 16 --warmup 4"
+  bench tuned_1gpu 1 80 $S --deepspeed_config ds_configs/zero2.json
+  bench tuned_${N}gpu "$N" 110 $S --deepspeed_config ds_configs/zero2.json
+  bench z3_ep_m16x2_${N}gpu "$N" 110 $S --deepspeed_config ds_configs/zero3.json --micro_batch 16 \
+    --ds_set gradient_accumulation_steps=2
+  bench base_z3_plain_m16x2_${N}gpu "$N" 120 $S --deepspeed_config ds_configs/zero3.json --no_autoep --micro_batch 16 \
+    --ds_set gradient_accumulation_steps=2
+  ;;
+J)
+  # 8 GPUs: the DeepSeek-V2-Lite-shaped recipe (15.3B total) under ZeRO-3 with expert parallel 8, then GRPO on the
+  # 2.6B recipe over all 8 GPUs (rollout and train tokens/s are in its metrics rows)
+  prebuild
+  N=$(python3 -c "import torch; print(torch.cuda.device_count())")
+  bench ds16b_z3_ep${N} "$N" 300 --config engine/recipes/deepseek_16b.yaml --steps 10 --warmup 3 \
+    --deepspeed_config ds_configs/zero3.json
+  GRPO_GPUS=$N grpo grpo_2b6_${N}gpu 240
   ;;
 esac
 python3 -c "import sys; sys.argv=['x']; sys.path.insert(0,'bin'); import json, bench; \
