@@ -31,7 +31,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from conftest import ROOT, env, free_port, read_metrics
+from conftest import DEEPSPEED, ROOT, env, free_port, read_metrics
 
 from engine.cluster import InputError, parse_hostfile, read_deepspeed_env
 
@@ -364,6 +364,23 @@ def test_shipped_hostfiles_parse():
     assert [(h.name, h.slots) for h in parse_hostfile(hf / "do_2node")] == [("10.124.0.2", 8), ("10.124.0.3", 8)]
     with pytest.raises(InputError, match="no hosts"):  # the template is all comments until filled in
         parse_hostfile(hf / "template")
+
+
+def test_one_droplet_hostfile_command_as_documented(tmp_path):
+    """docs/multinode.md's do_1node command (also in the hostfile's header) starts every rank on this machine
+    with no ssh; `--include localhost:0,1` takes 2 of its 8 slots, as CPU ranks here."""
+    doc = [ln.strip() for ln in GUIDE.read_text().splitlines() if ln.startswith("    deepspeed --hostfile hostfiles/do_1node")]
+    header = [ln.lstrip("# ").strip() for ln in (ROOT / "hostfiles" / "do_1node").read_text().splitlines()
+              if ln.lstrip("# ").startswith("deepspeed --hostfile hostfiles/do_1node")]
+    assert len(doc) == 1 and header == doc, (doc, header)
+    argv = doc[0].split()
+    assert argv[:2] == ["deepspeed", "--hostfile"]
+    argv = [DEEPSPEED, "--include", "localhost:0,1", "--master_port", str(free_port()), *argv[1:],
+            "--max_steps", "2", "--run_dir", str(tmp_path / "run")]
+    p = subprocess.run(argv, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = read_metrics(tmp_path / "run")
+    assert [(r["step"], r["world_size"]) for r in rows] == [(2, 2)]
 
 
 def test_deepspeed_env_is_key_value_lines_only(tmp_path):
