@@ -10,6 +10,7 @@
 #   bash docs/bench/h200_sweep.sh G        # 1 GPU: ZeRO-3 + AutoEP with the fused vs DeepSpeed's combine, baseline
 #   bash docs/bench/h200_sweep.sh H        # 1-2 GPUs: bin/pretrain.py as shipped, tiny default and 2.6B, 20 steps
 #   bash docs/bench/h200_sweep.sh I        # 1 GPU: the headline pair again (shipped tuned vs plain ZeRO-3 baseline), twice
+#   bash docs/bench/h200_sweep.sh K        # 1 GPU: ZeRO-3 + AutoEP at micro 16 x 4 (the multi-GPU issue's config), ZeRO-3 knobs
 #   bash docs/bench/h200_sweep.sh B        # 1 GPU: GRPO on the 2.6B recipe, seed-scale 5.3B under an 80 GB cap
 #   bash docs/bench/h200_sweep.sh C        # 2 GPUs: tuned 1 vs 2 GPUs, ZeRO-3, baseline, pipeline (multi-GPU issue)
 #   bash docs/bench/h200_sweep.sh CN       # 4 or 8 GPUs: tuned 1 vs N GPUs (weak scaling), ZeRO-3, baseline on N
@@ -65,7 +66,7 @@ m.save_pretrained('/tmp/init_2b6'); tok.save_pretrained('/tmp/init_2b6')" > "$LO
   echo "init: exit $?"
 }
 
-PHASE=${1:?phase A, A2, A3, B, C, CN, D, E, F, G, H, I or J}
+PHASE=${1:?phase A, A2, A3, B, C, CN, D, E, F, G, H, I, J or K}
 case "$PHASE" in
 A)
   # global batch 16 x 2048 tokens everywhere (micro 8 runs accumulate 2), 50 steps: rows carry every step's loss,
@@ -183,6 +184,18 @@ I)
     bench base_z3_plain_m16x4_r$k 1 110 $S --deepspeed_config ds_configs/zero3.json --no_autoep --micro_batch 16 \
       --ds_set gradient_accumulation_steps=4
   done
+  ;;
+K)
+  # the multi-GPU issue asks 35% MFU from ZeRO-3 + expert parallel, where DeepSpeed cannot compile around AutoEP:
+  # zero3.json at the tuned config's micro-batch and global batch, then two ZeRO-3 knobs against its per-module
+  # hook overhead: fold small modules (attention, shared experts) into one fetch, and leave <1e5-element
+  # parameters (the routers) unpartitioned (DeepSpeed's default; zero3.json says 1e4)
+  prebuild
+  S="--config $REF --steps 16 --warmup 4 --deepspeed_config ds_configs/zero3.json --micro_batch 16"
+  S="$S --ds_set gradient_accumulation_steps=4"
+  bench z3_ep_m16x4 1 100 $S
+  bench z3_ep_m16x4_gran3e6 1 100 $S --ds_set zero_optimization.stage3_module_granularity_threshold=3000000
+  bench z3_ep_m16x4_persist1e5 1 100 $S --ds_set zero_optimization.stage3_param_persistence_threshold=100000
   ;;
 B)
   prebuild
