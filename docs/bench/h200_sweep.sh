@@ -12,7 +12,8 @@
 #   bash docs/bench/h200_sweep.sh I        # 1 GPU: the headline pair again (shipped tuned vs plain ZeRO-3 baseline), twice
 #   bash docs/bench/h200_sweep.sh K        # 1 GPU: ZeRO-3 + AutoEP at micro 16 x 4 (the multi-GPU issue's config), ZeRO-3 knobs
 #   bash docs/bench/h200_sweep.sh B        # 1 GPU: GRPO on the 2.6B recipe, seed-scale 5.3B under an 80 GB cap
-#   bash docs/bench/h200_sweep.sh C        # 2 GPUs: tuned 1 vs 2 GPUs, ZeRO-3, baseline, pipeline (multi-GPU issue)
+#   bash docs/bench/h200_sweep.sh C        # 2 GPUs: ZeRO-3 + EP 2 next to the plain ZeRO-3 baseline, pipeline (multi-GPU issue)
+#   bash docs/bench/h200_sweep.sh C2       # 1 vs 2 GPUs: weak scaling of the tuned config and of ZeRO-3
 #   bash docs/bench/h200_sweep.sh CN       # 4 or 8 GPUs: tuned 1 vs N GPUs (weak scaling), ZeRO-3, baseline on N
 #   bash docs/bench/h200_sweep.sh J        # 8 GPUs: the ~16B recipe with expert parallel 8, GRPO on the 2.6B recipe
 # Results: $OUT/bench_<phase>.jsonl (one JSON row per run, the table bin/bench.py prints), logs beside them.
@@ -66,7 +67,7 @@ m.save_pretrained('/tmp/init_2b6'); tok.save_pretrained('/tmp/init_2b6')" > "$LO
   echo "init: exit $?"
 }
 
-PHASE=${1:?phase A, A2, A3, B, C, CN, D, E, F, G, H, I, J or K}
+PHASE=${1:?phase A, A2, A3, B, C, C2, CN, D, E, F, G, H, I, J or K}
 case "$PHASE" in
 A)
   # global batch 16 x 2048 tokens everywhere (micro 8 runs accumulate 2), 50 steps: rows carry every step's loss,
@@ -210,17 +211,25 @@ B)
     --ds_set zero_optimization.offload_optimizer.ratio=0.5 --set train.activation_checkpointing=true
   ;;
 C)
-  # multi-GPU issue: the tuned config on 1 and 2 GPUs (weak scaling, same micro-batch per GPU), the untuned
-  # ZeRO-3 and the plain ZeRO-3 baseline on 2 GPUs, and the pipeline config on 2 GPUs
+  # multi-GPU issue on 2 GPUs: ZeRO-3 + expert parallel 2 at micro 16 x 4 (phase K: 31% MFU on one GPU) next to the
+  # plain ZeRO-3 baseline at the same global batch, the pipeline config, then ZeRO-3 at micro 24 if time is left
   prebuild
-  S="--config $REF --steps 20 --warmup 5"
+  S="--config $REF --steps 16 --warmup 4"
+  Z3="--deepspeed_config ds_configs/zero3.json --ds_set gradient_accumulation_steps=4"
+  bench z3_ep_m16x4_2gpu 2 110 $S $Z3 --micro_batch 16
+  bench base_z3_plain_m16x4_2gpu 2 120 $S $Z3 --no_autoep --micro_batch 16
+  bench pipe_2gpu 2 100 $S --deepspeed_config ds_configs/pipe.json
+  bench z3_ep_m24x4_2gpu 2 120 $S $Z3 --micro_batch 24
+  ;;
+C2)
+  # weak scaling 1 -> 2 GPUs at the same per-GPU micro-batch and accumulation: the tuned config and ZeRO-3
+  prebuild
+  S="--config $REF --steps 16 --warmup 4"
+  Z3="--deepspeed_config ds_configs/zero3.json --ds_set gradient_accumulation_steps=4 --micro_batch 16"
   bench tuned_1gpu 1 80 $S --deepspeed_config ds_configs/zero2.json
-  bench tuned_2gpu 2 90 $S --deepspeed_config ds_configs/zero2.json
-  bench z3_ep_m16x2_2gpu 2 90 $S --deepspeed_config ds_configs/zero3.json --micro_batch 16 \
-    --ds_set gradient_accumulation_steps=2
-  bench base_z3_plain_m16x2_2gpu 2 90 $S --deepspeed_config ds_configs/zero3.json --no_autoep --micro_batch 16 \
-    --ds_set gradient_accumulation_steps=2
-  bench pipe_2gpu 2 90 $S --deepspeed_config ds_configs/pipe.json
+  bench tuned_2gpu 2 100 $S --deepspeed_config ds_configs/zero2.json
+  bench z3_ep_m16x4_1gpu 1 100 $S $Z3
+  bench z3_ep_m16x4_2gpu 2 110 $S $Z3
   ;;
 CN)
   # weak scaling 1 -> N (4 or 8) GPUs at the same per-GPU micro-batch (expert parallel N: 32 experts, 32/N per GPU),
@@ -230,10 +239,10 @@ CN)
   S="--config $REF --steps 16 --warmup 4"
   bench tuned_1gpu 1 80 $S --deepspeed_config ds_configs/zero2.json
   bench tuned_${N}gpu "$N" 110 $S --deepspeed_config ds_configs/zero2.json
-  bench z3_ep_m16x2_${N}gpu "$N" 110 $S --deepspeed_config ds_configs/zero3.json --micro_batch 16 \
-    --ds_set gradient_accumulation_steps=2
-  bench base_z3_plain_m16x2_${N}gpu "$N" 120 $S --deepspeed_config ds_configs/zero3.json --no_autoep --micro_batch 16 \
-    --ds_set gradient_accumulation_steps=2
+  bench z3_ep_m16x4_${N}gpu "$N" 110 $S --deepspeed_config ds_configs/zero3.json --micro_batch 16 \
+    --ds_set gradient_accumulation_steps=4
+  bench base_z3_plain_m16x4_${N}gpu "$N" 120 $S --deepspeed_config ds_configs/zero3.json --no_autoep --micro_batch 16 \
+    --ds_set gradient_accumulation_steps=4
   ;;
 J)
   # 8 GPUs: the DeepSeek-V2-Lite-shaped recipe (15.3B total) under ZeRO-3 with expert parallel 8, then GRPO on the
