@@ -11,6 +11,7 @@
 #   bash docs/bench/h200_sweep.sh H        # 1-2 GPUs: bin/pretrain.py as shipped, tiny default and 2.6B, 20 steps
 #   bash docs/bench/h200_sweep.sh I        # 1 GPU: the headline pair again (shipped tuned vs plain ZeRO-3 baseline), twice
 #   bash docs/bench/h200_sweep.sh K        # 1 GPU: ZeRO-3 + AutoEP at micro 16 x 4 (the multi-GPU issue's config), ZeRO-3 knobs
+#   bash docs/bench/h200_sweep.sh L        # 1 GPU: the headline pair once more (baseline first), GRPO with the fused combine
 #   bash docs/bench/h200_sweep.sh B        # 1 GPU: GRPO on the 2.6B recipe, seed-scale 5.3B under an 80 GB cap
 #   bash docs/bench/h200_sweep.sh C        # 2 GPUs: ZeRO-3 + EP 2 next to the plain ZeRO-3 baseline, pipeline (multi-GPU issue)
 #   bash docs/bench/h200_sweep.sh C2       # 1 vs 2 GPUs: weak scaling of the tuned config and of ZeRO-3
@@ -67,7 +68,7 @@ m.save_pretrained('/tmp/init_2b6'); tok.save_pretrained('/tmp/init_2b6')" > "$LO
   echo "init: exit $?"
 }
 
-PHASE=${1:?phase A, A2, A3, B, C, C2, CN, D, E, F, G, H, I, J or K}
+PHASE=${1:?phase A, A2, A3, B, C, C2, CN, D, E, F, G, H, I, J, K or L}
 case "$PHASE" in
 A)
   # global batch 16 x 2048 tokens everywhere (micro 8 runs accumulate 2), 50 steps: rows carry every step's loss,
@@ -197,6 +198,16 @@ K)
   bench z3_ep_m16x4 1 100 $S
   bench z3_ep_m16x4_gran3e6 1 100 $S --ds_set zero_optimization.stage3_module_granularity_threshold=3000000
   bench z3_ep_m16x4_persist1e5 1 100 $S --ds_set zero_optimization.stage3_param_persistence_threshold=100000
+  ;;
+L)
+  # phase I's same-call pair came out at 1.68x against phase D's 1.72x: one more pair, the baseline first this time;
+  # then GRPO on the 2.6B recipe with the engine's current defaults (fused top-k combine on CUDA), last run at 1972d1a
+  prebuild
+  S="--config $REF --steps 16 --warmup 4"
+  bench base_z3_plain_m16x4_r3 1 110 $S --deepspeed_config ds_configs/zero3.json --no_autoep --micro_batch 16 \
+    --ds_set gradient_accumulation_steps=4
+  bench tuned_r3 1 80 $S --deepspeed_config ds_configs/zero2.json
+  grpo grpo_2b6_fused 190
   ;;
 B)
   prebuild
