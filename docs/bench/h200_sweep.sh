@@ -12,6 +12,7 @@
 #   bash docs/bench/h200_sweep.sh I        # 1 GPU: the headline pair again (shipped tuned vs plain ZeRO-3 baseline), twice
 #   bash docs/bench/h200_sweep.sh K        # 1 GPU: ZeRO-3 + AutoEP at micro 16 x 4 (the multi-GPU issue's config), ZeRO-3 knobs
 #   bash docs/bench/h200_sweep.sh L        # 1 GPU: the headline pair once more (baseline first), GRPO with the fused combine
+#   bash docs/bench/h200_sweep.sh M        # 1 GPU: the headline pair over the longer window (40 steps after 10) for both
 #   bash docs/bench/h200_sweep.sh B        # 1 GPU: GRPO on the 2.6B recipe, seed-scale 5.3B under an 80 GB cap
 #   bash docs/bench/h200_sweep.sh C        # 2 GPUs: ZeRO-3 + EP 2 next to the plain ZeRO-3 baseline, pipeline (multi-GPU issue)
 #   bash docs/bench/h200_sweep.sh C2       # 1 vs 2 GPUs: weak scaling of the tuned config and of ZeRO-3
@@ -68,7 +69,7 @@ m.save_pretrained('/tmp/init_2b6'); tok.save_pretrained('/tmp/init_2b6')" > "$LO
   echo "init: exit $?"
 }
 
-PHASE=${1:?phase A, A2, A3, B, C, C2, CN, D, E, F, G, H, I, J, K or L}
+PHASE=${1:?phase A, A2, A3, B, C, C2, CN, D, E, F, G, H, I, J, K, L or M}
 case "$PHASE" in
 A)
   # global batch 16 x 2048 tokens everywhere (micro 8 runs accumulate 2), 50 steps: rows carry every step's loss,
@@ -208,6 +209,15 @@ L)
     --ds_set gradient_accumulation_steps=4
   bench tuned_r3 1 80 $S --deepspeed_config ds_configs/zero2.json
   grpo grpo_2b6_fused 190
+  ;;
+M)
+  # phase D timed the tuned config over 40 steps after 10 but the baseline over 16 after 4; I and L (16 after 4 for
+  # both) gave 1.68x. Both over the longer window, from the random init (no init_from), in one call
+  prebuild
+  S="--config $REF --steps 40 --warmup 10"
+  bench tuned_w40 1 120 $S --deepspeed_config ds_configs/zero2.json
+  bench base_z3_plain_m16x4_w40 1 190 $S --deepspeed_config ds_configs/zero3.json --no_autoep --micro_batch 16 \
+    --ds_set gradient_accumulation_steps=4
   ;;
 B)
   prebuild
