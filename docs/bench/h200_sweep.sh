@@ -13,6 +13,8 @@
 #   bash docs/bench/h200_sweep.sh K        # 1 GPU: ZeRO-3 + AutoEP at micro 16 x 4 (the multi-GPU issue's config), ZeRO-3 knobs
 #   bash docs/bench/h200_sweep.sh L        # 1 GPU: the headline pair once more (baseline first), GRPO with the fused combine
 #   bash docs/bench/h200_sweep.sh M        # 1 GPU: the headline pair over the longer window (40 steps after 10) for both
+#   bash docs/bench/h200_sweep.sh N1       # 1 GPU: does a loaded initial model run faster (phase D's 93.7k)? ZeRO-1 in a pair
+#   bash docs/bench/h200_sweep.sh N2       # 1 GPU: 8 accumulation steps for both (global batch 128 x 2048)
 #   bash docs/bench/h200_sweep.sh B        # 1 GPU: GRPO on the 2.6B recipe, seed-scale 5.3B under an 80 GB cap
 #   bash docs/bench/h200_sweep.sh C        # 2 GPUs: ZeRO-3 + EP 2 next to the plain ZeRO-3 baseline, pipeline (multi-GPU issue)
 #   bash docs/bench/h200_sweep.sh C2       # 1 vs 2 GPUs: weak scaling of the tuned config and of ZeRO-3
@@ -69,7 +71,7 @@ m.save_pretrained('/tmp/init_2b6'); tok.save_pretrained('/tmp/init_2b6')" > "$LO
   echo "init: exit $?"
 }
 
-PHASE=${1:?phase A, A2, A3, B, C, C2, CN, D, E, F, G, H, I, J, K, L or M}
+PHASE=${1:?phase A, A2, A3, B, C, C2, CN, D, E, F, G, H, I, J, K, L, M, N1 or N2}
 case "$PHASE" in
 A)
   # global batch 16 x 2048 tokens everywhere (micro 8 runs accumulate 2), 50 steps: rows carry every step's loss,
@@ -218,6 +220,26 @@ M)
   bench tuned_w40 1 120 $S --deepspeed_config ds_configs/zero2.json
   bench base_z3_plain_m16x4_w40 1 190 $S --deepspeed_config ds_configs/zero3.json --no_autoep --micro_batch 16 \
     --ds_set gradient_accumulation_steps=4
+  ;;
+N1)
+  # phase D's tuned row (93.7k) loaded a saved random model; every later tuned run from the engine's own random
+  # init ran 90.2-91.0k. The same config from both inits, then ZeRO-1 against its baseline (all 16 steps after 4)
+  prebuild
+  save_init
+  S="--config $REF --steps 16 --warmup 4"
+  bench tuned_loaded_init 1 90 $S --deepspeed_config ds_configs/zero2.json --set model.init_from=/tmp/init_2b6
+  bench tuned_r4 1 80 $S --deepspeed_config ds_configs/zero2.json
+  bench tuned_z1 1 80 $S --deepspeed_config ds_configs/zero2.json --ds_set zero_optimization.stage=1
+  bench base_z3_plain_m16x4_r4 1 110 $S --deepspeed_config ds_configs/zero3.json --no_autoep --micro_batch 16 \
+    --ds_set gradient_accumulation_steps=4
+  ;;
+N2)
+  # 8 accumulated micro-batches for both: the optimizer step (~95 ms tuned, ~70 ms baseline) counts half as much
+  prebuild
+  S="--config $REF --steps 12 --warmup 3"
+  bench tuned_x8 1 110 $S --deepspeed_config ds_configs/zero2.json --ds_set gradient_accumulation_steps=8
+  bench base_z3_plain_m16x8 1 150 $S --deepspeed_config ds_configs/zero3.json --no_autoep --micro_batch 16 \
+    --ds_set gradient_accumulation_steps=8
   ;;
 B)
   prebuild
