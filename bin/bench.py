@@ -11,8 +11,9 @@ the engine measured one after the other land in one table. Columns:
                  6 x active non-embedding parameters (every parameter except the input embedding; routed
                  experts counted at experts_per_token / num_experts) + attention: 3 (fwd+bwd) x layers x
                  2 x seq_len x heads x (qk_head_dim + v_head_dim) (no causal discount, as in PaLM)
-  fwd/bwd/step   mean milliseconds per optimizer step in forward, backward and optimizer step (timed with
-                 device synchronization between them, so ZeRO-3 prefetch overlap across phases is lost)
+  fwd/bwd/step   mean milliseconds per optimizer step in forward, backward and optimizer step: device events
+                 on GPUs, read once after the timed steps, so nothing inside the timed window waits for the
+                 device (the host queues work ahead, as in training); wall clock on the CPU
   peak GiB       peak accelerator memory of rank 0 (peak RSS on CPU)
 --no_autoep drops the DS config's expert_parallel section: the same HF model under plain ZeRO-3 with its
 own MoE block (what HF Trainer + DeepSpeed gives). --micro_batch overrides train_micro_batch_size_per_gpu.
@@ -34,7 +35,7 @@ import yaml  # noqa: E402
 
 from engine.config import ConfigError, load_recipe  # noqa: E402
 from engine.ds_config import read_ds_config, resolve_ds_config  # noqa: E402
-from engine.data import load_tokenizer  # noqa: E402
+from engine.data import load_tokenizer, to_device  # noqa: E402
 from engine.parallel import device_kind, init_distributed, world_from_env  # noqa: E402
 from engine import pipeline, pretrain  # noqa: E402
 
@@ -110,46 +111,42 @@ def main() -> int:
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     ep = (ds.get("expert_parallel") or {}).get("autoep_size", 1)
     batches = data.micro_batches(micro, *pipeline.data_coords(ds, world.rank, world.size))
-    times = {"fwd": 0.0, "bwd": 0.0, "step": 0.0}
-    losses = []  # mean loss of every optimizer step, warmup included (tuned vs untuned runs compare these)
+    timer = PhaseTimer(acc)
+    losses = []  # mean loss of every optimizer step (a device tensor until the end), warmup included
 
     def train_step():
         total = 0.0
         for _ in range(accum):
             _, ids = next(batches)
-            ids = ids.to(engine.device)
-            t0 = time.perf_counter()
+            ids = to_device(ids, engine.device)
+            t0 = timer.mark()
             loss = engine(input_ids=ids, labels=ids).loss
-            acc.synchronize()
-            t1 = time.perf_counter()
+            t1 = timer.mark()
             engine.backward(loss)
-            acc.synchronize()
-            t2 = time.perf_counter()
+            t2 = timer.mark()
             engine.step()
-            acc.synchronize()
-            t3 = time.perf_counter()
-            times["fwd"] += t1 - t0
-            times["bwd"] += t2 - t1
-            times["step"] += t3 - t2
-            total += loss.item()
+            timer.add(t0, t1, t2, timer.mark())
+            total = total + loss.detach()
         losses.append(total / accum)
         return loss
 
     if pipeline.is_pipeline(ds):  # train_batch runs the whole schedule: no separate fwd/bwd/step times
         def train_step():
             loss = pipeline.train_step(engine, batches, accum, 0)[1]
-            losses.append(float(loss))
+            losses.append(loss)
             return loss
 
     for _ in range(args.warmup):
         train_step()
-    times = {k: 0.0 for k in times}
-    acc.reset_max_memory_allocated()
     acc.synchronize()
+    timer.marks.clear()
+    acc.reset_max_memory_allocated()
     t_start = time.perf_counter()
     for _ in range(args.steps):
         loss = train_step()
+    acc.synchronize()  # the only wait in the timed window: at its end
     elapsed = time.perf_counter() - t_start
+    times = timer.totals()
     if args.profile:
         profile(train_step, args.profile, acc.device_name(), f"{args.out}.profile.txt", world.rank)
     tokens_per_rank = args.steps * engine.train_batch_size() * recipe.data.seq_len / world.size
@@ -162,7 +159,7 @@ def main() -> int:
            "tokens_per_s_per_gpu": round(tps), "mfu": float(f"{tps * flops_tok / (PEAK_TFLOPS * 1e12):.4g}"),
            **{f"{k}_ms": round(1000 * v / args.steps, 1) if v else None for k, v in times.items()},
            "peak_gib": round(acc.max_memory_allocated() / 2**30, 2), "loss": round(loss.item(), 4),
-           "losses": [round(x, 4) for x in losses[:args.warmup + args.steps]],
+           "losses": [round(float(x), 4) for x in losses[:args.warmup + args.steps]],
            "sets": args.set, "ds_sets": args.ds_set, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     if world.rank == 0:
         with open(args.out, "a") as f:
@@ -179,6 +176,37 @@ def parse_sets(items: list[str], flag: str) -> dict:
             raise ConfigError(f"{flag} {item!r}: expected KEY=VALUE, e.g. {flag} train.lr=1e-4")
         out[key] = yaml.safe_load(value)
     return out
+
+
+class PhaseTimer:
+    """Forward / backward / optimizer-step time without making the host wait for the device: CUDA events
+    recorded on the stream and read after the timed window; the wall clock on the CPU accelerator, whose ops
+    run as they are called."""
+
+    def __init__(self, acc):
+        event = acc.Event() if acc.device_name() == "cuda" else None  # torch.cuda.Event
+        self.new = (lambda: event(enable_timing=True)) if event else None
+        self.marks = []  # (start, after forward, after backward, after step) per micro-batch
+
+    def mark(self):
+        if self.new is None:
+            return time.perf_counter()
+        e = self.new()
+        e.record()
+        return e
+
+    def add(self, *marks) -> None:
+        self.marks.append(marks)
+
+    def totals(self) -> dict:
+        """Seconds in each phase, summed over the marked micro-batches (call after synchronizing)."""
+        gap = (lambda a, b: b - a) if self.new is None else (lambda a, b: a.elapsed_time(b) / 1000)
+        out = {"fwd": 0.0, "bwd": 0.0, "step": 0.0}
+        for t0, t1, t2, t3 in self.marks:
+            out["fwd"] += gap(t0, t1)
+            out["bwd"] += gap(t1, t2)
+            out["step"] += gap(t2, t3)
+        return out
 
 
 def profile(train_step, steps: int, device: str, path: str, rank: int) -> None:

@@ -114,6 +114,15 @@ class PackedSequences:
             yield j + 1, torch.from_numpy(self.sequences[ids])  # (micro, seq_len)
 
 
+def to_device(ids: torch.Tensor, device) -> torch.Tensor:
+    """A host batch onto the training device. On GPUs through pinned memory with an asynchronous copy: a plain
+    `.to("cuda")` from pageable memory waits for every kernel already queued, so the host could not queue the
+    next micro-batch while the device still runs the last one."""
+    if torch.device(device).type == "cuda":
+        return ids.pin_memory().to(device, non_blocking=True)
+    return ids.to(device)
+
+
 class StreamedSequences:
     """Streaming: this rank's part of the stream, packed on the fly, repeated forever."""
 

@@ -15,7 +15,7 @@ import torch
 from . import checkpoint, pipeline
 from .balance import ExpertBalance
 from .config import ConfigError, Recipe, load_recipe
-from .data import build_data, load_tokenizer, looks_local, data_files
+from .data import build_data, data_files, load_tokenizer, looks_local, to_device
 from .ds_config import compile_blocker, read_ds_config, resolve_ds_config, zero_stage
 from .metrics import Metrics, print0
 from .model import build_model
@@ -192,7 +192,7 @@ def zero_step(engine, batches, accum: int, position: int) -> tuple[int, torch.Te
     loss_sum = torch.zeros((), device=engine.device)
     for _ in range(accum):
         position, ids = next(batches)
-        ids = ids.to(engine.device)  # (micro, seq_len)
+        ids = to_device(ids, engine.device)  # (micro, seq_len)
         loss = engine(input_ids=ids, labels=ids).loss  # HF shifts labels inside
         engine.backward(loss)
         engine.step()  # DeepSpeed steps the optimizer on the last micro-batch of the accumulation

@@ -18,6 +18,10 @@ def test_bench_two_ranks_and_baseline_agree_on_model_size(tmp_path):
     assert auto["params_m"] == plain["params_m"] and auto["active_m"] == plain["active_m"]
     assert auto["active_m"] < auto["params_m"]
     assert auto["tokens_per_s_per_gpu"] > 0 and 0 < auto["mfu"] < 1
+    for row in (auto, plain):  # the phase times cover the timed steps only, and most of each step's wall time
+        wall_ms = 1000 * row["micro"] * row["accum"] * row["seq"] / row["tokens_per_s_per_gpu"]
+        phases_ms = row["fwd_ms"] + row["bwd_ms"] + row["step_ms"]
+        assert 0.5 * wall_ms < phases_ms < 1.02 * wall_ms, (phases_ms, wall_ms)
     assert "tokens_per_s_per_gpu" in p.stdout  # the table
 
 
