@@ -20,6 +20,7 @@
 #   bash docs/bench/h200_sweep.sh C2       # 1 vs 2 GPUs: weak scaling of the tuned config and of ZeRO-3
 #   bash docs/bench/h200_sweep.sh CN       # 4 or 8 GPUs: tuned 1 vs N GPUs (weak scaling), ZeRO-3, baseline on N
 #   bash docs/bench/h200_sweep.sh J        # 8 GPUs: the ~16B recipe with expert parallel 8, GRPO on the 2.6B recipe
+# Phases A to N1 ran before bench.py stopped synchronizing inside its timed window (37b3631): run I first next time.
 # Results: $OUT/bench_<phase>.jsonl (one JSON row per run, the table bin/bench.py prints), logs beside them.
 set -u
 OUT=${OUT:-/tmp/bench_out}
