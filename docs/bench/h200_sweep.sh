@@ -17,8 +17,7 @@
 #   bash docs/bench/h200_sweep.sh N2       # 1 GPU: 8 accumulation steps for both (global batch 128 x 2048)
 #   bash docs/bench/h200_sweep.sh B        # 1 GPU: GRPO on the 2.6B recipe, seed-scale 5.3B under an 80 GB cap
 #   bash docs/bench/h200_sweep.sh C        # 2 GPUs: ZeRO-3 + EP 2 next to the plain ZeRO-3 baseline, pipeline (multi-GPU issue)
-#   bash docs/bench/h200_sweep.sh C2       # 1 vs 2 GPUs: weak scaling of the tuned config and of ZeRO-3
-#   bash docs/bench/h200_sweep.sh CN       # 4 or 8 GPUs: tuned 1 vs N GPUs (weak scaling), ZeRO-3, baseline on N
+#   bash docs/bench/h200_sweep.sh CN       # 2, 4 or 8 GPUs: weak scaling 1 -> all GPUs, the tuned config and ZeRO-3
 #   bash docs/bench/h200_sweep.sh J        # 8 GPUs: the ~16B recipe with expert parallel 8, GRPO on the 2.6B recipe
 # Phases A to N1 ran before bench.py stopped synchronizing inside its timed window (37b3631): run I first next time.
 # Results: $OUT/bench_<phase>.jsonl (one JSON row per run, the table bin/bench.py prints), logs beside them.
@@ -72,7 +71,7 @@ m.save_pretrained('/tmp/init_2b6'); tok.save_pretrained('/tmp/init_2b6')" > "$LO
   echo "init: exit $?"
 }
 
-PHASE=${1:?phase A, A2, A3, B, C, C2, CN, D, E, F, G, H, I, J, K, L, M, N1 or N2}
+PHASE=${1:?phase A, A2, A3, B, C, CN, D, E, F, G, H, I, J, K, L, M, N1 or N2}
 case "$PHASE" in
 A)
   # global batch 16 x 2048 tokens everywhere (micro 8 runs accumulate 2), 50 steps: rows carry every step's loss,
@@ -265,28 +264,17 @@ C)
   bench pipe_2gpu 2 100 $S --deepspeed_config ds_configs/pipe.json
   bench z3_ep_m24x4_2gpu 2 120 $S $Z3 --micro_batch 24
   ;;
-C2)
-  # weak scaling 1 -> 2 GPUs at the same per-GPU micro-batch and accumulation: the tuned config and ZeRO-3
-  prebuild
-  S="--config $REF --steps 16 --warmup 4"
-  Z3="--deepspeed_config ds_configs/zero3.json --ds_set gradient_accumulation_steps=4 --micro_batch 16"
-  bench tuned_1gpu 1 80 $S --deepspeed_config ds_configs/zero2.json
-  bench tuned_2gpu 2 100 $S --deepspeed_config ds_configs/zero2.json
-  bench z3_ep_m16x4_1gpu 1 100 $S $Z3
-  bench z3_ep_m16x4_2gpu 2 110 $S $Z3
-  ;;
 CN)
-  # weak scaling 1 -> N (4 or 8) GPUs at the same per-GPU micro-batch (expert parallel N: 32 experts, 32/N per GPU),
-  # then ZeRO-3 + AutoEP and the plain ZeRO-3 baseline on N GPUs at the same global batch
+  # weak scaling 1 -> N GPUs (every GPU of the machine: 2, 4 or 8) at the same per-GPU micro-batch and
+  # accumulation, expert parallel N (32 experts, 32/N per GPU): the tuned config and ZeRO-3 + AutoEP
   prebuild
   N=$(python3 -c "import torch; print(torch.cuda.device_count())")
   S="--config $REF --steps 16 --warmup 4"
+  Z3="--deepspeed_config ds_configs/zero3.json --ds_set gradient_accumulation_steps=4 --micro_batch 16"
   bench tuned_1gpu 1 80 $S --deepspeed_config ds_configs/zero2.json
   bench tuned_${N}gpu "$N" 110 $S --deepspeed_config ds_configs/zero2.json
-  bench z3_ep_m16x4_${N}gpu "$N" 110 $S --deepspeed_config ds_configs/zero3.json --micro_batch 16 \
-    --ds_set gradient_accumulation_steps=4
-  bench base_z3_plain_m16x4_${N}gpu "$N" 120 $S --deepspeed_config ds_configs/zero3.json --no_autoep --micro_batch 16 \
-    --ds_set gradient_accumulation_steps=4
+  bench z3_ep_m16x4_1gpu 1 100 $S $Z3
+  bench z3_ep_m16x4_${N}gpu "$N" 110 $S $Z3
   ;;
 J)
   # 8 GPUs: the DeepSeek-V2-Lite-shaped recipe (15.3B total) under ZeRO-3 with expert parallel 8, then GRPO on the
