@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -21,14 +21,14 @@ import torch.distributed as dist
 from . import checkpoint
 from .config import ConfigError, GRPOConfig, Recipe, load_recipe
 from .data import load_tokenizer
-from .ds_config import read_ds_config, resolve_ds_config
+from .ds_config import read_ds_config, resolve_ds_config, zero_stage
 from .grpo_math import GRPOLossConfig, group_advantages, keep_mask, policy_loss, token_entropy, token_logprobs
 from .metrics import Metrics, print0
 from .model import build_model
 from .pretrain import peak_memory_gib, report_error
 from .parallel import World, build_engine, device_kind, init_distributed, model_dtype, world_from_env
 from .rewards import build_rewards
-from .rollout import build_rollout
+from .rollout import build_rollout, local_copy
 from deepspeed.runtime.rollout import RolloutRequest, SamplingConfig
 
 DEFAULT_RECIPE = Path(__file__).resolve().parent / "recipes" / "grpo_tiny.yaml"
@@ -133,7 +133,7 @@ def preflight(args, world: World):
     limit = model_context(args.init_from, init, recipe)
     for name, rows in (("data.path", prompts), ("grpo.eval_path", evals)):
         for i, r in enumerate(rows):
-            n = len(tok(r["prompt"])["input_ids"])
+            n = r["n_tokens"] = len(tok(r["prompt"])["input_ids"])  # also sizes the rollout decoder's cache
             if n + g.max_new_tokens > limit:
                 problems.append(f"{name} row {i}: prompt of {n} tokens + grpo.max_new_tokens {g.max_new_tokens} "
                                 f"exceeds the context ({limit}); shorten it or lower max_new_tokens")
@@ -161,15 +161,23 @@ def left_pad(texts: list[str], tok, device) -> RolloutRequest:
 
 
 def forward_logps(engine, ids, attn, with_entropy: bool = False):
-    """Per-token log-probs of ids[:, 1:] (and entropy) under `engine`; positions follow the left padding."""
+    """Per-token log-probs of ids[:, 1:] under `engine` (with grad when enabled), and their entropy (no grad).
+    Positions follow the left padding. One micro-batch's logits are upcast to fp32, nothing more."""
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    logits = engine(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, :-1].float()  # (N, T-1, V)
+    logits = engine(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits[:, :-1].float()  # (N, T-1, V)
     logp = token_logprobs(logits, ids[:, 1:])  # (N, T-1)
-    return logp, (token_entropy(logits) if with_entropy else None)
+    if not with_entropy:
+        return logp, None
+    with torch.no_grad():  # a metric only: no autograd graph kept for it
+        return logp, token_entropy(logits)
 
 
 def build_reference(policy, recipe: Recipe, ds: dict, tok):
-    """An optimizer-free DeepSpeed engine holding a copy of the policy's local ZeRO-3 shards."""
+    """The frozen reference policy. ZeRO-3: an optimizer-free DeepSpeed engine holding a copy of the policy's
+    local shards (no full gather). ZeRO 0-2 hold every dense weight on every rank anyway (and DeepSpeed builds no
+    optimizer-free engine for them with AutoEP): a plain Hugging Face copy on this rank's device."""
+    if zero_stage(ds) < 3:
+        return local_copy(policy.module, policy.device, decode_experts="grouped_mm")
     ref_ds = {k: v for k, v in ds.items() if k != "optimizer"}
     model = build_model(recipe.model, ref_ds, tok, dtype=model_dtype(ds), hf_config=policy.module.config)
     ref = build_engine(model, ref_ds)
@@ -189,6 +197,13 @@ def build_reference(policy, recipe: Recipe, ds: dict, tok):
     return ref
 
 
+def _build_device(ds: dict):
+    """Where a new model is built: ZeRO-3's zero.Init places it; under ZeRO 0-2 straight on this rank's device."""
+    from deepspeed.accelerator import get_accelerator
+
+    return None if zero_stage(ds) == 3 else get_accelerator().current_device_name()
+
+
 def rollout_kind(recipe: Recipe) -> str:
     return "local" if recipe.grpo.rollout == "auto" else recipe.grpo.rollout
 
@@ -200,126 +215,226 @@ def completions(batch, tok) -> list[str]:
                             skip_special_tokens=True)
 
 
-def evaluate(rollout, evals, rewards, tok, world: World, device, max_new_tokens: int) -> dict:
+def evaluate(run: "Run", evals) -> dict:
     """Mean rewards (total and each) of greedy completions of the held-out prompts; each rank scores its share."""
+    world, device = run.world, run.device
     mine = evals[world.rank::world.size]
-    sums = torch.zeros(2 + len(rewards.labels), device=device)  # total, each reward, count
+    sums = torch.zeros(2 + len(run.rewards.labels), device=device)  # total, each reward, count
     # A rank without a share still generates (evals[:1], not scored): engine rollouts decode in lockstep.
-    batch = rollout.generate(left_pad([r["prompt"] for r in mine or evals[:1]], tok, device),
-                             SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0))
+    run.rollout.sync_weights(0)
+    batch = run.rollout.generate(left_pad([r["prompt"] for r in mine or evals[:1]], run.tok, device),
+                                 SamplingConfig(max_new_tokens=run.g.max_new_tokens, temperature=0.0))
+    run.rollout.shutdown()
     if mine:
-        scores = rewards.score([r["prompt"] for r in mine], completions(batch, tok), [r["answer"] for r in mine])
-        sums += torch.tensor([float(scores.total.sum())] + [float(scores.per_reward[k].sum()) for k in rewards.labels]
+        scores = run.rewards.score([r["prompt"] for r in mine], completions(batch, run.tok), [r["answer"] for r in mine])
+        sums += torch.tensor([float(scores.total.sum())] + [float(scores.per_reward[k].sum()) for k in run.rewards.labels]
                              + [len(mine)], device=device)
     dist.all_reduce(sums)
     means = (sums[:-1] / sums[-1]).tolist()
-    return {"eval_reward": means[0], **{f"eval_reward_{k}": v for k, v in zip(rewards.labels, means[1:])}}
+    return {"eval_reward": means[0], **{f"eval_reward_{k}": v for k, v in zip(run.rewards.labels, means[1:])}}
+
+
+@dataclass
+class Run:
+    """What every GRPO step uses: the engines, the rollout, the scoring and the batch shape (per rank)."""
+    policy: object
+    ref: object  # None when beta == 0
+    rollout: object
+    tok: object
+    rewards: object
+    g: GRPOConfig
+    loss_cfg: GRPOLossConfig
+    world: World
+    micro: int  # sequences per micro-batch
+    n_seq: int  # sequences per rank per step (micro x accumulation)
+
+    @property
+    def device(self):
+        return self.policy.device
+
+
+@dataclass
+class Rollouts:
+    ids: torch.Tensor  # (N, T) prompt + response tokens, N = prompts x G
+    attn: torch.Tensor  # (N, T)
+    resp_mask: torch.Tensor  # (N, T-1): 1 on response targets of ids[:, 1:]
+    texts: list[str]
+    p_len: int
+    seconds: float
+
+
+def generate_rollouts(run: Run, rows: list[dict], sampling: SamplingConfig) -> Rollouts:
+    t0 = time.time()
+    run.rollout.sync_weights(0)  # the persistent decoder takes the policy's weights in place
+    out = run.rollout.generate(left_pad([r["prompt"] for r in rows], run.tok, run.device), sampling)
+    run.rollout.shutdown()
+    p_len = int(out.response_start_idx[0])
+    resp_mask = out.attention_mask[:, 1:].clone()  # targets ids[:, 1:]; response targets start at p_len
+    resp_mask[:, : p_len - 1] = 0
+    return Rollouts(out.input_ids, out.attention_mask, resp_mask, completions(out, run.tok), p_len, time.time() - t0)
+
+
+def score(run: Run, rows: list[dict], r: Rollouts, step: int):
+    """Rewards of each completion and the group advantages; DAPO's dynamic sampling masks flat groups out."""
+    G = run.g.group_size
+    scores = run.rewards.score([x["prompt"] for x in rows for _ in range(G)], r.texts,
+                               [x["answer"] for x in rows for _ in range(G)])
+    for label, msg in scores.first_error.items():
+        print(f"warning: step {step}, rank {run.world.rank}: reward {label} failed on {scores.failures[label]} of "
+              f"{len(r.texts)} samples (scored 0); first error: {msg}", file=sys.stderr, flush=True)
+    reward = torch.as_tensor(scores.total, dtype=torch.float32, device=run.device)  # (N,)
+    adv = group_advantages(reward, G, normalize_std=run.g.normalize_std)  # (N,)
+    if run.g.dynamic_sampling:
+        r.resp_mask = r.resp_mask * keep_mask(reward, G).repeat_interleave(G)[:, None]
+    return scores, reward, adv
+
+
+@torch.no_grad()
+def batched_logps(engine, r: Rollouts, micro: int) -> torch.Tensor:
+    """(N, T-1) log-probs under `engine`, micro-batch by micro-batch, no grad."""
+    return torch.cat([forward_logps(engine, r.ids[i:i + micro], r.attn[i:i + micro])[0]
+                      for i in range(0, len(r.ids), micro)])
+
+
+def old_logps(run: Run, r: Rollouts) -> torch.Tensor | None:
+    """The rollout policy's log-probs, for the ratio. With one optimizer step per rollout batch the policy at
+    each micro-batch's forward *is* the rollout policy, so its own detached log-probs serve (None here)."""
+    return batched_logps(run.policy, r, run.micro) if run.g.iterations > 1 else None
+
+
+def policy_update(run: Run, r: Rollouts, adv, old, refl, timer: "Timer") -> dict[str, float]:
+    """`iterations` passes over the batch on the clipped surrogate (+ KL); returns the summed loss stats."""
+    count = r.resp_mask.sum().float()
+    dist.all_reduce(count)
+    normalizer = count.item() / (run.world.size * (run.n_seq // run.micro))  # dapo: global token mean
+    stats_sum: dict[str, float] = {}
+    for _ in range(run.g.iterations):
+        for i in range(0, len(r.ids), run.micro):
+            sl = slice(i, i + run.micro)
+            logp, ent = forward_logps(run.policy, r.ids[sl], r.attn[sl], with_entropy=True)
+            loss, stats = policy_loss(logp, logp.detach() if old is None else old[sl], adv[sl], r.resp_mask[sl],
+                                      run.loss_cfg, ref_logp=None if refl is None else refl[sl], entropy=ent,
+                                      token_normalizer=normalizer if run.g.aggregation == "dapo" else None)
+            run.policy.backward(loss)
+            timer.lap("fwd_bwd_s")
+            run.policy.step()
+            timer.lap("opt_s")
+            for k, v in {"loss": loss.detach(), **stats}.items():
+                stats_sum[k] = stats_sum.get(k, 0.0) + float(v)
+    return stats_sum
+
+
+class Timer:
+    """Wall time per named phase, the device synchronized at each lap (a handful of laps per step)."""
+
+    def __init__(self):
+        from deepspeed.accelerator import get_accelerator
+
+        self.sync = get_accelerator().synchronize
+        self.sync()
+        self.t, self.s = time.perf_counter(), {}
+
+    def lap(self, name: str) -> None:
+        self.sync()
+        now = time.perf_counter()
+        self.s[name] = self.s.get(name, 0.0) + now - self.t
+        self.t = now
+
+
+def grpo_step(run: Run, rows: list[dict], sampling: SamplingConfig, step: int) -> dict:
+    """One GRPO step on this rank's prompts: rollouts -> rewards -> advantages -> reference (and old) log-probs
+    -> optimizer step(s). Returns the metrics row."""
+    t0 = time.time()
+    r = generate_rollouts(run, rows, sampling)
+    scores, reward, adv = score(run, rows, r, step)
+    timer = Timer()
+    refl = batched_logps(run.ref, r, run.micro) if run.ref is not None else None
+    timer.lap("ref_s")
+    old = old_logps(run, r)
+    timer.lap("old_s")
+    stats = policy_update(run, r, adv, old, refl, timer)
+    train_s = sum(timer.s.values())
+    n_micro = run.g.iterations * (len(r.ids) // run.micro)
+    forwards = run.g.iterations + (old is not None) + (run.ref is not None)
+    new_tokens = float(r.attn[:, r.p_len:].sum())
+    decode_steps = getattr(run.rollout, "decode_steps", 0)
+    row = {"step": step, "reward": _mean_all(reward.mean()), "reward_std": _mean_all(reward.std()),
+           "lr": run.policy.get_lr()[0], "response_len": _mean_all(r.attn[:, r.p_len:].sum(1).float().mean()),
+           "rollout_tokens_per_s": _sum_all(new_tokens) / max(r.seconds, 1e-9),
+           "train_tokens_per_s": _sum_all(float(r.attn.sum()) * forwards) / max(train_s, 1e-9),
+           "rollout_s": r.seconds, "train_s": train_s, **{k: v for k, v in timer.s.items()},
+           "step_s": time.time() - t0, "peak_mem_gib": peak_memory_gib(),
+           **{k: _mean_all(v / n_micro) for k, v in stats.items()}}
+    if decode_steps:
+        row["decode_ms_per_step"] = 1000 * run.rollout.decode_s / decode_steps
+    if hasattr(run.rollout, "memory_bytes"):
+        row["decoder_mem_gib"] = round(run.rollout.memory_bytes() / 2**30, 3)
+    row["kl"] = row.pop("kl_mean", 0.0)
+    row["entropy"] = row.pop("entropy_mean", 0.0)
+    for label, vals in scores.per_reward.items():
+        row[f"reward_{label}"] = _mean_all(float(vals.mean()))
+    for label, n in scores.failures.items():
+        row[f"reward_{label}_failures"] = _sum_all(float(n))
+    return row
+
+
+def setup(recipe: Recipe, ds: dict, tok, rewards, prompts, evals, world: World) -> Run:
+    """The policy engine, the reference engine (beta > 0) and the rollout engine."""
+    g = recipe.grpo
+    torch.manual_seed(recipe.train.seed + world.rank)  # different samples on each rank
+    model = build_model(recipe.model, ds, tok, dtype=model_dtype(ds), device=_build_device(ds))
+    schedule = replace(recipe.train, max_steps=recipe.train.max_steps * g.iterations,
+                       warmup_steps=recipe.train.warmup_steps * g.iterations)
+    policy = build_engine(model, ds, schedule)
+    ref = build_reference(policy, recipe, ds, tok) if g.beta > 0 else None
+    micro = policy.train_micro_batch_size_per_gpu()
+    n_seq = micro * policy.gradient_accumulation_steps()
+    cache_len = decoder_cache_len(prompts + evals, g.max_new_tokens)
+    rollout = build_rollout(rollout_kind(recipe), policy, tok, n_seq, cache_len, g.decode_experts)
+    return Run(policy, ref, rollout, tok, rewards, g, loss_config(g), world, micro, n_seq)
+
+
+def decoder_cache_len(rows: list[dict], max_new_tokens: int) -> int:
+    """KV-cache slots of the rollout decoder: the run's longest prompt (counted in preflight) + the new tokens,
+    rounded up to a multiple of 16. Fixed for the run, so the compiled decode step never sees a new shape."""
+    need = max(r["n_tokens"] for r in rows) + max_new_tokens
+    return -(-need // 16) * 16
 
 
 def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | None, world: World) -> list[dict]:
     g = recipe.grpo
     recipe = replace(recipe, model=replace(recipe.model, init_from=init))  # checkpoints record the real source
-    loss_cfg = loss_config(g)
-    torch.manual_seed(recipe.train.seed + world.rank)  # different samples on each rank
-    model = build_model(recipe.model, ds, tok, dtype=model_dtype(ds))
-    schedule = replace(recipe.train, max_steps=recipe.train.max_steps * g.iterations,
-                       warmup_steps=recipe.train.warmup_steps * g.iterations)
-    policy = build_engine(model, ds, schedule)
-    ref = build_reference(policy, recipe, ds, tok) if g.beta > 0 else None
-    rollout = build_rollout(rollout_kind(recipe), policy, tok, recipe.grpo.decode_experts)
-    state = checkpoint.load(policy, recipe.run_dir) if recipe.resume else {"step": 0, "position": 0, "tokens": 0}
-    step = state["step"]
-    device, micro = policy.device, policy.train_micro_batch_size_per_gpu()
-    n_seq = micro * policy.gradient_accumulation_steps()  # sequences per rank per step
-    n_prompts = n_seq // g.group_size
+    run = setup(recipe, ds, tok, rewards, prompts, evals, world)
+    state = checkpoint.load(run.policy, recipe.run_dir) if recipe.resume else {"step": 0, "position": 0, "tokens": 0}
+    step, n_prompts = state["step"], run.n_seq // g.group_size
     # The data position counts micro-batches per rank, as in pretraining, so checkpoint.load converts it to this
     # world size; here it becomes prompts consumed over all ranks.
-    done = state["position"] * micro * world.size // g.group_size
+    done = state["position"] * run.micro * world.size // g.group_size
     order = np.random.default_rng(recipe.train.seed).permutation(len(prompts))
-    metrics = Metrics(recipe.run_dir, recipe.train.max_steps, step, policy.monitor)
-    saver = checkpoint.Cadence(recipe.checkpoint, device)  # also: SIGTERM/SIGINT -> save at the next step, stop
+    metrics = Metrics(recipe.run_dir, recipe.train.max_steps, step, run.policy.monitor)
+    saver = checkpoint.Cadence(recipe.checkpoint, run.device)  # also: SIGTERM/SIGINT -> save at the next step, stop
     sampling = SamplingConfig(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
                               n_samples_per_prompt=g.group_size)
     rows = []
     if evals:
-        rollout.sync_weights(step)
-        row = {"step": step, **evaluate(rollout, evals, rewards, tok, world, device, g.max_new_tokens)}
-        rollout.shutdown()
-        metrics.log(row)
-        rows.append(row)
+        rows.append({"step": step, **evaluate(run, evals)})
+        metrics.log(rows[-1])
     while step < recipe.train.max_steps:
-        # 1. Prompts for this rank: global positions done + rank*P + [0, P); one global order on any world size.
+        # This rank's prompts: global positions done + rank*P + [0, P); one global order on any world size.
         start = done + world.rank * n_prompts
         done += n_prompts * world.size
         batch_rows = [prompts[order[(start + i) % len(prompts)]] for i in range(n_prompts)]
-        t0 = time.time()
-        rollout.sync_weights(step)
-        out = rollout.generate(left_pad([r["prompt"] for r in batch_rows], tok, device), sampling)
-        rollout.shutdown()  # free the local copy before training
-        t_roll = time.time() - t0
-        ids, attn = out.input_ids, out.attention_mask  # (N, T), N = n_prompts * G
-        p_len = int(out.response_start_idx[0])
-        resp_mask = attn[:, 1:].clone()  # targets ids[:, 1:]; response targets start at p_len
-        resp_mask[:, : p_len - 1] = 0
-        texts = completions(out, tok)
-        # 2. Rewards and group advantages.
-        scores = rewards.score([r["prompt"] for r in batch_rows for _ in range(g.group_size)], texts,
-                               [r["answer"] for r in batch_rows for _ in range(g.group_size)])
-        for label, msg in scores.first_error.items():
-            print(f"warning: step {step + 1}, rank {world.rank}: reward {label} failed on {scores.failures[label]} of "
-                  f"{len(texts)} samples (scored 0); first error: {msg}", file=sys.stderr, flush=True)
-        reward = torch.as_tensor(scores.total, dtype=torch.float32, device=device)  # (N,)
-        adv = group_advantages(reward, g.group_size, normalize_std=g.normalize_std)
-        if g.dynamic_sampling:
-            resp_mask = resp_mask * keep_mask(reward, g.group_size).repeat_interleave(g.group_size)[:, None]
-        # 3. Old policy and reference log-probs (no grad), micro-batch by micro-batch.
-        t1 = time.time()
-        with torch.no_grad():
-            old = torch.cat([forward_logps(policy, ids[i:i + micro], attn[i:i + micro])[0] for i in range(0, len(ids), micro)])
-            refl = (torch.cat([forward_logps(ref, ids[i:i + micro], attn[i:i + micro])[0]
-                               for i in range(0, len(ids), micro)]) if ref is not None else None)
-        count = resp_mask.sum().float()
-        dist.all_reduce(count)
-        normalizer = count.item() / (world.size * (n_seq // micro))  # dapo: global token mean
-        # 4. `iterations` optimizer steps on the clipped surrogate.
-        stats_sum: dict[str, float] = {}
-        for _ in range(g.iterations):
-            for i in range(0, len(ids), micro):
-                sl = slice(i, i + micro)
-                logp, ent = forward_logps(policy, ids[sl], attn[sl], with_entropy=True)
-                loss, stats = policy_loss(logp, old[sl], adv[sl], resp_mask[sl], loss_cfg,
-                                          ref_logp=None if refl is None else refl[sl], entropy=ent,
-                                          token_normalizer=normalizer if g.aggregation == "dapo" else None)
-                policy.backward(loss)
-                policy.step()
-                for k, v in {"loss": loss.detach(), **stats}.items():
-                    stats_sum[k] = stats_sum.get(k, 0.0) + float(v)
-        t_train = time.time() - t1
         step += 1
+        row = grpo_step(run, batch_rows, sampling, step)
         metrics.advance()
-        n_micro = g.iterations * (len(ids) // micro)
-        row = {"step": step, "reward": _mean_all(reward.mean()), "reward_std": _mean_all(reward.std()),
-               "lr": policy.get_lr()[0], "response_len": _mean_all(attn[:, p_len:].sum(1).float().mean()),
-               "rollout_tokens_per_s": _sum_all(float(attn[:, p_len:].sum())) / max(t_roll, 1e-9),
-               "train_tokens_per_s": _sum_all(float(attn.sum()) * (1 + g.iterations + (ref is not None))) / max(t_train, 1e-9),
-               "rollout_s": t_roll, "train_s": t_train, "step_s": time.time() - t0, "peak_mem_gib": peak_memory_gib(),
-               **{k: _mean_all(v / n_micro) for k, v in stats_sum.items()}}
-        row["kl"] = row.pop("kl_mean", 0.0)
-        row["entropy"] = row.pop("entropy_mean", 0.0)
-        for label, vals in scores.per_reward.items():
-            row[f"reward_{label}"] = _mean_all(float(vals.mean()))
-        for label, n in scores.failures.items():
-            row[f"reward_{label}_failures"] = _sum_all(float(n))
         if evals and (step % g.eval_every == 0 or step == recipe.train.max_steps):
-            rollout.sync_weights(step)
-            row.update(evaluate(rollout, evals, rewards, tok, world, device, g.max_new_tokens))
-            rollout.shutdown()
+            row.update(evaluate(run, evals))
         metrics.log(row)
         rows.append(row)
         save, stop = saver.due(step, recipe.train.max_steps)
         if save:
-            checkpoint.save(policy, recipe, {"step": step, "position": done * g.group_size // (micro * world.size),
-                                             "tokens": 0}, tok)
+            checkpoint.save(run.policy, recipe, {"step": step, "tokens": 0,
+                                                 "position": done * g.group_size // (run.micro * world.size)}, tok)
         if stop:
             print0(f"stopped by signal {saver.signal} after step {step}; saved, continue with --resume")
             break

@@ -38,7 +38,7 @@ PROMPTS = [{"prompt": "Q: 20 + 36 = ? A:", "answer": "56"}, {"prompt": "Gus went
 GRPO_RECIPE = """
 data: {path: PROMPTS}
 train: {max_steps: 2, lr: 1.0e-3, warmup_steps: 0, log_every: 1}
-grpo: {group_size: 4, max_new_tokens: 8, temperature: 0.7, beta: 0.04, rollout: KIND, eval_path: PROMPTS,
+grpo: {group_size: 4, max_new_tokens: 8, temperature: 0.7, beta: 0.04, rollout: KIND, eval_path: PROMPTS, iterations: ITER,
        eval_every: 1, rewards: [{name: numeric, which: first}, {name: length_penalty, target: 3, scale: 0.1}]}
 checkpoint: {at_end: false}
 """
@@ -95,11 +95,11 @@ def grpo_ds(path, fp32: bool):
                     train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=1)
 
 
-def probe(pretrained, name: str, ranks: int, kind: str, fp32: bool, *extra) -> list[dict]:
+def probe(pretrained, name: str, ranks: int, kind: str, fp32: bool, *extra, iterations: int = 1) -> list[dict]:
     d = pretrained / name
     d.mkdir()
     (d / "grpo.yaml").write_text(GRPO_RECIPE.replace("PROMPTS", str(pretrained / "prompts.jsonl"))
-                                 .replace("KIND", kind))
+                                 .replace("KIND", kind).replace("ITER", str(iterations)))
     run_launcher(ranks, PROBE, "--out", d / "out", *extra, "--deepspeed_config", grpo_ds(d / "ds.json", fp32),
                  "--config", d / "grpo.yaml", "--init_from", pretrained / "hf", "--run_dir", d / "run", cwd=d)
     return [json.loads((d / "out" / f"rank{r}.json").read_text()) for r in range(ranks)]
@@ -137,7 +137,7 @@ def test_a_step_moves_the_policy_and_not_the_reference(runs, kind):
 
 def test_local_rollouts_finish_at_different_lengths_without_a_hang(runs):
     a, b = runs["local"]
-    assert a["rollout_class"] == b["rollout_class"] == "LocalCopyRollout"
+    assert a["rollout_class"] == b["rollout_class"] == "DecoderRollout"
     assert len(a["rollouts"]) == len(b["rollouts"]) == 5  # eval, (rollout, eval) x 2
     for ra, rb in zip(a["rollouts"], b["rollouts"]):
         for r in (ra, rb):
@@ -189,6 +189,49 @@ def test_local_copy_equals_the_policy_on_two_ranks(runs):
         assert info["ep_size"] == [2, 2]
         check_local_copy(info["before"])
         check_local_copy(info["after"])  # the copy follows the updated policy too
+
+
+# ------------------------------------------------------------------------------ the persistent rollout decoder
+
+def check_same_samples(info: dict):
+    """Greedy tokens of the persistent decoder (static cache, weights refreshed in place) equal transformers'
+    generate on a plain copy of the same weights, before any update and after the last one."""
+    for key in ("samples_before", "samples_after"):
+        got = info[key]
+        assert got["decoder"] == got["generate"], (key, got)
+        assert len(got["decoder"][0]) > got["prompt_width"]  # it decoded something
+
+
+def test_decoder_is_built_once_and_samples_as_generate_on_two_ranks(runs):
+    for info in runs["local"]:  # expert parallel 2: the decoder's experts are all-gathered at each refresh
+        assert info["decoder_builds"] == 1, info["decoder_builds"]  # 5 rollouts (3 evals, 2 steps), one decoder
+        check_same_samples(info)
+        # The samples differ before and after the updates (lr 1e-3), so the refresh really moved the decoder.
+        assert info["samples_before"]["decoder"] != info["samples_after"]["decoder"]
+
+
+@pytest.fixture(scope="module")
+def old_logps_run(pretrained):
+    """The 2-rank local run again, but with the old-log-prob forward that iterations 1 now skips."""
+    return probe(pretrained, "local_old", 2, "local", True, "--force_old_logps")
+
+
+def test_skipping_the_old_logprob_forward_changes_no_number(runs, old_logps_run):
+    for new, old in zip(runs["local"], old_logps_run):
+        assert new["old_logps"] == [False, False] and old["old_logps"] == [True, True]
+        for a, b in zip(new["rows"][1:], old["rows"][1:]):
+            for key in ("loss", "reward", "kl", "ratio_mean", "entropy", "clip_frac_low", "clip_frac_high"):
+                assert a[key] == pytest.approx(b[key], rel=0, abs=1e-6), (key, a[key], b[key])
+            assert a["ratio_mean"] == 1.0  # one optimizer step per batch: the ratio is exactly 1
+        assert new["rows"][-1]["eval_reward"] == old["rows"][-1]["eval_reward"]
+
+
+def test_two_iterations_run_the_old_logprob_forward_on_one_rank(pretrained):
+    (info,) = probe(pretrained, "iter2", 1, "local", True, iterations=2)
+    assert info["old_logps"] == [True, True]
+    assert info["decoder_builds"] == 1
+    check_same_samples(info)  # one rank, expert parallel 1
+    assert all(r["ratio_mean"] != 1.0 for r in info["rows"][1:])  # the second pass sees moved weights
 
 
 # ---------------------------------------------------------------------------------------------- bad input

@@ -7,8 +7,13 @@ its functions to record what the tests check, per rank, in OUT/rank{r}.json:
   - every rollout: greedy or sampled, how many decode steps it ran, each completion's length, and the
     torch.distributed collectives called during it
   - the metric rows train() returned
+  - local rollouts: greedy tokens of the persistent decoder against transformers' generate on a plain copy of the
+    same weights, at the first rollout (before any update) and after training; decoders built; whether each
+    step skipped the old-log-prob forward
 --copy_only: build the policy engine only (as train() does) and compare local_copy's logits with it.
-usage: deepspeed --num_gpus N tests/scripts/grpo_probe.py --out DIR [--copy_only] --deepspeed_config ... [grpo args]
+--force_old_logps: run the old-log-prob forward even with iterations 1 (the path before it was skipped).
+usage: deepspeed --num_gpus N tests/scripts/grpo_probe.py --out DIR [--copy_only] [--force_old_logps]
+       --deepspeed_config ... [grpo args]
 """
 import contextlib
 import json
@@ -26,6 +31,7 @@ import torch.distributed as dist  # noqa: E402
 from engine import grpo  # noqa: E402
 from engine.model import build_model  # noqa: E402
 from engine.parallel import build_engine, init_distributed, model_dtype, world_from_env  # noqa: E402
+from engine.decoder import Decoder  # noqa: E402
 from engine.rollout import local_copy  # noqa: E402
 
 # One input, the same on every rank: two texts of different lengths, left-padded as rollouts are.
@@ -70,6 +76,18 @@ def local_copy_check(policy, req) -> dict:
     return {"copy_vs_policy": d, "swapped_experts_vs_policy": swapped, "copy_expert_shapes": full}
 
 
+def same_samples(policy, rollout, tok, prompts: list[str]) -> dict:
+    """Greedy tokens of the rollout decoder and of transformers' generate on a plain copy of the policy's weights."""
+    req = grpo.left_pad(prompts, tok, policy.device)
+    ours = rollout.decoder.generate(req.prompt_ids, req.prompt_attention_mask, 8, tok.eos_token_id, tok.pad_token_id,
+                                    temperature=0.0)
+    plain = local_copy(policy.module, policy.device)
+    theirs = plain.generate(req.prompt_ids, attention_mask=req.prompt_attention_mask, max_new_tokens=8,
+                            do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                            synced_gpus=False)
+    return {"decoder": ours.tolist(), "generate": theirs.tolist(), "prompt_width": req.prompt_ids.shape[1]}
+
+
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
                "all_to_all_single", "barrier")
 
@@ -103,7 +121,9 @@ def ep_sizes(policy) -> list[int]:
 def main() -> None:
     out = Path(sys.argv[sys.argv.index("--out") + 1])
     copy_only = "--copy_only" in sys.argv
-    argv = [a for i, a in enumerate(sys.argv[1:]) if a not in ("--out", "--copy_only") and sys.argv[i] != "--out"]
+    force_old = "--force_old_logps" in sys.argv
+    flags = ("--out", "--copy_only", "--force_old_logps")
+    argv = [a for i, a in enumerate(sys.argv[1:]) if a not in flags and sys.argv[i] != "--out"]
     args = grpo.parse_args(argv)
     world = world_from_env()
     recipe, ds, tok, prompts, evals, rewards, init = grpo.preflight(args, world)
@@ -122,7 +142,14 @@ def main() -> None:
 
     seen: dict = {}
     rollouts: list[dict] = []
-    build_reference, build_rollout = grpo.build_reference, grpo.build_rollout
+    build_reference, build_rollout, old_logps = grpo.build_reference, grpo.build_rollout, grpo.old_logps
+    texts = [r["prompt"] for r in prompts]
+    info["old_logps"] = []  # per step: True where the old-log-prob forward ran
+
+    def old_logps_recorded(run, r):
+        old = grpo.batched_logps(run.policy, r, run.micro) if force_old else old_logps(run, r)
+        info["old_logps"].append(old is not None)
+        return old
 
     def build_reference_recorded(policy, *a, **k):
         ref = build_reference(policy, *a, **k)
@@ -138,10 +165,13 @@ def main() -> None:
 
     def build_rollout_recorded(kind, engine, tokenizer, *a, **k):
         rollout = build_rollout(kind, engine, tokenizer, *a, **k)
+        seen.setdefault("policy", engine)
         info["rollout_class"] = type(rollout).__name__
         generate = rollout.generate
 
         def generate_recorded(request, sampling):
+            if "samples_before" not in info and hasattr(rollout, "decoder"):  # first rollout: nothing trained yet
+                info["samples_before"] = same_samples(seen["policy"], rollout, tok, texts)
             t0 = time.time()
             with counting_collectives() as calls:
                 batch = generate(request, sampling)
@@ -153,11 +183,17 @@ def main() -> None:
             return batch
 
         rollout.generate = generate_recorded
+        seen["rollout"] = rollout
         return rollout
 
     grpo.build_reference, grpo.build_rollout = build_reference_recorded, build_rollout_recorded
+    grpo.old_logps = old_logps_recorded
     rows = grpo.train(recipe, ds, tok, prompts, evals, rewards, init, world)
-    grpo.build_reference, grpo.build_rollout = build_reference, build_rollout
+    grpo.build_reference, grpo.build_rollout, grpo.old_logps = build_reference, build_rollout, old_logps
+    info["decoder_builds"] = Decoder.builds
+    if hasattr(seen["rollout"], "decoder"):  # after the last optimizer step: refresh, then compare again
+        seen["rollout"].sync_weights(0)
+        info["samples_after"] = same_samples(seen["policy"], seen["rollout"], tok, texts)
 
     policy, ref = seen["policy"], seen["ref"]
     r = grpo.left_pad(TEXTS, tok, policy.device)

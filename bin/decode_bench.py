@@ -1,0 +1,109 @@
+#!/usr/bin/env python3
+"""The rollout decoder alone (engine/decoder.py), on one device: a recipe's model with random weights, a fixed
+batch of arithmetic prompts, every completion forced to max_new_tokens (EOS never stops it). Prints a table:
+per call the wall time, decode ms per step, rollout tokens/s and the compiled graphs so far; then changes every
+weight in place, refreshes the decoder from the changed model and decodes again (no new graph, new tokens).
+
+    python bin/decode_bench.py --config engine/recipes/grpo_2b6.yaml --batch 64 --new_tokens 256 --out rows.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=str(ROOT / "engine" / "recipes" / "grpo_2b6.yaml"))
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--new_tokens", type=int, default=256)
+    ap.add_argument("--calls", type=int, default=3)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top_p", type=float, default=1.0)
+    ap.add_argument("--no_compile", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="print the device kernels of one call, by time")
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+
+    import torch._dynamo.utils
+    from transformers import AutoModelForCausalLM
+
+    from engine.config import load_recipe
+    from engine.data import load_tokenizer
+    from engine.decoder import Decoder
+    from engine.grpo import left_pad, load_prompts
+    from engine.model import make_hf_config
+
+    recipe = load_recipe(args.config, {})
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tok = load_tokenizer(recipe.data.tokenizer)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(make_hf_config(recipe.model, tok), dtype=dtype)
+    model.eval()
+    prompts = [r["prompt"] for r in load_prompts(recipe.data.path)[: args.batch]]
+    req = left_pad(prompts, tok, device)
+    cache_len = -(-(req.prompt_ids.shape[1] + args.new_tokens) // 16) * 16
+    t0 = time.perf_counter()
+    dec = Decoder(model, device, args.batch, cache_len, recipe.grpo.decode_experts,
+                  compile=False if args.no_compile else None)
+    build_s = time.perf_counter() - t0
+    rows = []
+
+    def call(label: str) -> torch.Tensor:
+        t = time.perf_counter()
+        out = dec.generate(req.prompt_ids, req.prompt_attention_mask, args.new_tokens, eos_id=-1,
+                           pad_id=tok.pad_token_id, temperature=args.temperature, top_p=args.top_p)
+        wall = time.perf_counter() - t
+        row = {"call": label, "wall_s": round(wall, 3), "decode_steps": dec.decode_steps,
+               "decode_ms_per_step": round(1000 * dec.decode_s / max(dec.decode_steps, 1), 3),
+               "rollout_tokens_per_s": round(args.batch * args.new_tokens / wall),
+               "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+               "decoder_mem_gib": round(dec.memory_bytes() / 2**30, 3),
+               "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None}
+        rows.append(row)
+        print(" | ".join(f"{k} {v}" for k, v in row.items()), flush=True)
+        return out
+
+    print(f"decoder built and filled in {build_s:.2f} s: batch {args.batch}, cache {cache_len} slots, "
+          f"prompt width {req.prompt_ids.shape[1]}, compile {dec.compile}", flush=True)
+    for i in range(args.calls):
+        before = call(f"call{i + 1}")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    t = time.perf_counter()
+    dec.refresh(model)
+    refresh_s = time.perf_counter() - t
+    torch.manual_seed(1)
+    after = call("after_refresh")
+    rows[-1]["refresh_s"] = round(refresh_s, 3)
+    rows[-1]["tokens_changed"] = bool((after != before).any())
+    print(f"refresh {refresh_s:.3f} s; tokens changed after the weights changed: {rows[-1]['tokens_changed']}")
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            call("profiled")
+        key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70))
+    if args.out:
+        with open(args.out, "a") as f:
+            for r in rows:
+                f.write(json.dumps({"config": args.config, "batch": args.batch, "new_tokens": args.new_tokens,
+                                    "cache_len": cache_len, **r}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

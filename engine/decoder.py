@@ -1,0 +1,251 @@
+"""The rollout decoder: a plain Hugging Face copy of the policy on each device, built once and kept.
+
+Why persistent: a compiled decode step (CUDA graphs on CUDA) costs 7-35 s to build, and a rollout copy rebuilt
+every GRPO step would pay that every step. So the copy, its static KV cache and its compiled step live for
+the whole run; after each optimizer step `refresh` writes the policy's new weights into the *same* storage
+(ZeRO-3 parameters gathered a layer at a time, AutoEP experts all-gathered over the expert-parallel group),
+which keeps captured graphs valid.
+
+Shapes never change, so the decode step compiles once: the batch is padded to `batch_size` rows and the
+cache holds `cache_len` = the longest prompt of the run (known in preflight) + max_new_tokens slots. A prompt
+of any length up to that is prefilled eagerly (one forward over the left-padded prompts); every decode step
+then feeds one token per row at the same cache slot, with one (N, cache_len) mask for the prompt padding.
+
+On CPU (and wherever `compile` is off) the same code runs eagerly.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Iterator
+
+import torch
+import torch._dynamo  # noqa: F401  (mark_static_address)
+import torch.distributed as dist
+
+from .export import AUTOEP_NAMES
+
+# transformers' generate swaps grouped_mm experts for batched_mm while decoding on GPUs. batched_mm copies the
+# top-k experts' weights of every token: with 64 sequences and top-4, 3 GB per MoE layer per decoded token on
+# the 2.6B recipe. The same grouped_mm kernel under its own name is left alone.
+DECODE_GROUPED_MM = "grouped_mm_decode"
+
+
+def experts_for_decode(kind: str) -> str:
+    if kind != "grouped_mm":
+        return kind
+    from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
+
+    ExpertsInterface.register(DECODE_GROUPED_MM, grouped_mm_experts_forward)
+    return DECODE_GROUPED_MM
+
+
+def _rename_autoep(path: str, rest: str, names: dict) -> str:
+    """An AutoEP layer's non-expert tensor name (`path.rest`) under Hugging Face's names."""
+    for ours, theirs in (("router.gate.", f"{names['router']}."),
+                         ("router.e_score_correction_bias", f"{names['router']}.e_score_correction_bias"),
+                         ("shared_experts_gate.", f"{names['shared_experts_gate']}."),
+                         ("shared_experts.", f"{names['shared_experts']}.")):
+        if rest.startswith(ours):
+            return f"{path}.{theirs}{rest[len(ours):]}"
+    return f"{path}.{rest}"
+
+
+def _all_experts(layer, local: torch.Tensor) -> torch.Tensor:
+    """(E_local, out, in) on this rank -> (E, out, in): ep rank k holds experts [k*E/ep, (k+1)*E/ep)."""
+    if layer.ep_size == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(layer.ep_size)]
+    dist.all_gather(parts, local.contiguous(), group=layer.ep_group)
+    return torch.cat(parts)
+
+
+def policy_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's full weights and buffers under Hugging Face names, one top-level block at a time.
+
+    Collective: every rank must consume the whole iterator. ZeRO-3 parameters are gathered a block (a decoder
+    layer, the embedding, ...) at a time, so no rank ever holds more than one block gathered; a yielded tensor
+    is valid until the next one is requested (copy it, don't keep it)."""
+    import deepspeed
+
+    names = AUTOEP_NAMES[module.config.model_type]
+    moe = {name: m for name, m in module.named_modules() if getattr(m, "_is_autoep_layer", False)}
+    for name, b in module.named_buffers():
+        path = next((p for p in moe if name.startswith(p + ".")), None)
+        if path is None:
+            yield name, b
+        elif not name.endswith("tokens_per_expert"):
+            yield _rename_autoep(path, name[len(path) + 1:], names), b
+    for params in _param_groups(module):
+        with deepspeed.zero.GatheredParameters([p for _, p in params]):  # no-op for unpartitioned parameters
+            experts = {}
+            for name, p in params:
+                path = next((q for q in moe if name.startswith(q + ".")), None)
+                if path is None:
+                    yield name, p.data
+                    continue
+                rest = name[len(path) + 1:]
+                if rest.startswith("experts.w"):
+                    experts.setdefault(path, {})[rest[len("experts."):]] = p.data
+                else:
+                    yield _rename_autoep(path, rest, names), p.data
+            for path, w in experts.items():
+                layer = moe[path]
+                gate, up = _all_experts(layer, w["w1"]), _all_experts(layer, w["w3"])
+                yield f"{path}.experts.gate_up_proj", torch.cat([gate, up], dim=1)  # (E, 2F, H)
+                yield f"{path}.experts.down_proj", _all_experts(layer, w["w2"])  # (E, H, F)
+
+
+def _param_groups(module: torch.nn.Module) -> Iterator[list[tuple[str, torch.nn.Parameter]]]:
+    """The parameters in groups gathered together: each decoder layer's, then each other module's own."""
+    for i, layer in enumerate(module.model.layers):
+        yield list(layer.named_parameters(prefix=f"model.layers.{i}"))
+    for name, child in module.named_modules():
+        if not name.startswith("model.layers"):
+            own = list(child.named_parameters(prefix=name, recurse=False))
+            if own:
+                yield own
+
+
+def empty_copy(module: torch.nn.Module, device, decode_experts: str = "grouped_mm") -> torch.nn.Module:
+    """An unfilled plain HF model of the policy's class and config on `device`, for generation only."""
+    config = copy.deepcopy(module.config)  # its own: use_cache and the experts kernel must not leak into training
+    config.use_cache = True
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(next(module.parameters()).dtype)  # as from_config(dtype=...) built the policy
+    try:
+        with torch.device("meta"):
+            model = type(module)(config)  # the HF class built directly: no zero.Init, no AutoEP
+    finally:
+        torch.set_default_dtype(default)
+    model.to_empty(device=device)
+    model.eval()
+    model.set_experts_implementation(experts_for_decode(decode_experts))
+    return model
+
+
+@torch.no_grad()
+def copy_weights(model: torch.nn.Module, module: torch.nn.Module) -> None:
+    """Copy the policy `module`'s weights into `model`'s existing tensors, in place (collective over ranks)."""
+    own = dict(model.named_parameters()) | dict(model.named_buffers())
+    seen = set()
+    for name, src in policy_weights(module):
+        dst = own.get(name)
+        if dst is None:
+            continue
+        if src.shape != dst.shape:  # transformers' transposed fused-expert layout
+            src = src.transpose(1, 2)
+        dst.copy_(src)
+        seen.add(name)
+    missing = set(own) - seen
+    if missing:
+        raise RuntimeError(f"rollout decoder: no policy weights for {sorted(missing)[:5]}")
+
+
+class Decoder:
+    """A persistent generation-only copy of the policy: fixed batch, static KV cache, decode step compiled once."""
+
+    builds = 0  # decoders built in this process: a test checks that GRPO builds one per run, not one per step
+
+    def __init__(self, module: torch.nn.Module, device, batch_size: int, cache_len: int,
+                 decode_experts: str = "grouped_mm", compile: bool | None = None):
+        from transformers import StaticCache
+
+        model = empty_copy(module, device, decode_experts)
+        config = model.config
+        self.model, self.device = model, torch.device(device)
+        self.batch_size, self.cache_len = batch_size, cache_len
+        self.cache = StaticCache(config=config, max_cache_len=cache_len)
+        self.mask = torch.ones(batch_size, cache_len, dtype=torch.long, device=device)  # (N, L): 0 on prompt padding
+        if self.device.type == "cuda":
+            torch._dynamo.mark_static_address(self.mask)  # filled in place; the captured graph reads it where it is
+        self.compile = self.device.type == "cuda" if compile is None else compile
+        self.step_fn = (torch.compile(self._forward, mode="reduce-overhead", fullgraph=True, dynamic=False)
+                        if self.compile else self._forward)
+        self.decode_steps = 0
+        self.decode_s = 0.0
+        Decoder.builds += 1
+        self.refresh(module)
+
+    def refresh(self, module: torch.nn.Module) -> None:
+        """Write the policy's current weights into this copy's existing tensors (collective over ranks)."""
+        copy_weights(self.model, module)
+
+    def memory_bytes(self) -> int:
+        """Weights + buffers + KV cache (the cache once allocated, i.e. after the first rollout)."""
+        n = sum(t.numel() * t.element_size() for t in self.model.parameters())
+        n += sum(t.numel() * t.element_size() for t in self.model.buffers())
+        for layer in self.cache.layers:
+            if getattr(layer, "is_initialized", False):
+                n += layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+        return n
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(N, T) tokens at positions `pos` -> (N, V) float32 logits of the last one; fills the cache."""
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache,
+                         use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1].float()
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int, eos_id: int,
+                 pad_id: int, temperature: float = 1.0, top_p: float = 1.0, check_every: int | None = None
+                 ) -> torch.Tensor:
+        """Left-padded prompts (n <= batch_size rows, width T_p) -> (n, T_p + T_r) tokens, T_r <= max_new_tokens.
+
+        After a row's first EOS it gets pad_id; decoding stops once every row has ended (checked every
+        `check_every` steps: each check waits for the device). Greedy when temperature == 0."""
+        import time
+
+        n, width = prompt_ids.shape
+        if n > self.batch_size or width + max_new_tokens > self.cache_len:
+            raise ValueError(f"rollout decoder: {n} prompts of {width} tokens + {max_new_tokens} new do not fit its "
+                             f"batch of {self.batch_size} and cache of {self.cache_len} slots")
+        if check_every is None:
+            check_every = 16 if self.device.type == "cuda" else 1
+        N = self.batch_size
+        ids = torch.cat([prompt_ids, prompt_ids[:1].expand(N - n, -1)]) if n < N else prompt_ids  # (N, T_p)
+        pmask = torch.cat([prompt_mask, prompt_mask[:1].expand(N - n, -1)]) if n < N else prompt_mask
+        self.mask.fill_(1)
+        self.mask[:, :width] = pmask
+        self.cache.reset()
+        pos = (pmask.cumsum(-1) - 1).clamp(min=0)  # (N, T_p): positions follow the left padding
+        logits = self._forward(ids, pos, self.mask)  # prefill, eager: prompt widths vary
+        next_pos = pos[:, -1:] + 1  # (N, 1)
+        out = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=self.device)
+        ended = torch.zeros(N, dtype=torch.bool, device=self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0, steps = time.perf_counter(), 0
+        for t in range(max_new_tokens):
+            tok = sample(logits, temperature, top_p)  # (N,)
+            tok = torch.where(ended, pad_id, tok)
+            out[:, t] = tok
+            ended |= tok == eos_id
+            if t + 1 == max_new_tokens or ((t + 1) % check_every == 0 and bool(ended[:n].all())):
+                break
+            if self.compile:
+                torch.compiler.cudagraph_mark_step_begin()
+            logits = self.step_fn(tok[:, None], next_pos + t, self.mask)  # (N, V)
+            steps += 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.decode_steps, self.decode_s = steps, time.perf_counter() - t0
+        out = out[:n]
+        is_eos = out == eos_id
+        lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, max_new_tokens)  # up to the first EOS
+        return torch.cat([prompt_ids, out[:, : int(lengths.max())]], dim=1)
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """(N, V) float logits -> (N,) tokens: argmax when temperature == 0, else softmax(logits / T) restricted
+    to the top-p nucleus, drawn with the exponential race (argmax of p / Exp(1), which picks i with prob p_i)."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = logits.softmax(-1)
+    return (probs / torch.empty_like(probs).exponential_()).argmax(-1)
