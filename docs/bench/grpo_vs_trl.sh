@@ -33,6 +33,7 @@ LOGS=/tmp/gvt_logs  # packed into $OUT/logs_grpo_vs_trl.tgz at the end (the devi
 mkdir -p "$OUT" "$LOGS"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1  # 9.0a breaks DeepSpeed's op builds (FusedAdam)
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1  # everything is local; no hub lookups (or their retries) on the device
 T0=$SECONDS
 END=$((SECONDS + ${BUDGET_S:-550}))
 if ! python3 -c "import deepspeed, trl" 2>/dev/null; then
