@@ -1,4 +1,4 @@
-"""The local rollout copy decodes with a KV cache (one new token per forward after the prompt) and leaves the
+"""The rollout decoder decodes with a KV cache (one new token per forward after the prompt) and leaves the
 policy's config alone. Without both, an H200 ran out of memory: generate re-ran the whole sequence at every
 token, and the training model's config was switched to use_cache=True by the rollout."""
 from types import SimpleNamespace
@@ -26,16 +26,17 @@ def test_local_copy_decodes_with_a_cache_and_leaves_the_policy_config_alone():
     from engine.data import load_tokenizer
     from engine.grpo import left_pad
     from engine.model import make_hf_config
-    from engine.rollout import LocalCopyRollout
+    from engine.rollout import DecoderRollout
 
     tok = load_tokenizer(str(ROOT / "engine" / "assets" / "tokenizer"))
     torch.manual_seed(0)
     policy = AutoModelForCausalLM.from_config(make_hf_config(ModelConfig(), tok))
     policy.config.use_cache = False  # as engine/model.py builds it for training
-    rollout = LocalCopyRollout(SimpleNamespace(module=policy, device=torch.device("cpu")), tok)
+    rollout = DecoderRollout(SimpleNamespace(module=policy, device=torch.device("cpu")), tok, batch_size=4,
+                             cache_len=32)
     rollout.sync_weights(0)
     widths = []
-    rollout.model.model.register_forward_pre_hook(
+    rollout.decoder.model.model.register_forward_pre_hook(
         lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
     request = left_pad(["12 + 7 =", "3 * 4 ="], tok, torch.device("cpu"))
     out = rollout.generate(request, SamplingConfig(max_new_tokens=8, temperature=0.0, n_samples_per_prompt=2))
@@ -46,7 +47,7 @@ def test_local_copy_decodes_with_a_cache_and_leaves_the_policy_config_alone():
     assert widths[0] == prompt_len
     assert widths[1:] == [1] * (new - 1), widths  # one new token per forward: the cache is used
     assert policy.config.use_cache is False
-    assert rollout.model.config is not policy.config
+    assert rollout.decoder.model.config is not policy.config
 
 
 def test_decoding_keeps_grouped_mm_experts():
@@ -57,7 +58,7 @@ def test_decoding_keeps_grouped_mm_experts():
 
     from engine.config import ConfigError, ModelConfig, load_recipe
     from engine.model import make_hf_config
-    from engine.rollout import _experts_for_decode
+    from engine.decoder import experts_for_decode
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(make_hf_config(ModelConfig()))
@@ -65,10 +66,10 @@ def test_decoding_keeps_grouped_mm_experts():
     assert model.config._experts_implementation == "grouped_mm"
     with torch.no_grad():
         ref = model(ids).logits
-        model.set_experts_implementation(_experts_for_decode("grouped_mm"))
+        model.set_experts_implementation(experts_for_decode("grouped_mm"))
         impl = model.get_experts_implementation()
         assert "grouped_mm" not in impl.values(), impl  # what generate's swap looks for
         torch.testing.assert_close(model(ids).logits, ref, rtol=0, atol=0)
-    assert _experts_for_decode("batched_mm") == "batched_mm"
+    assert experts_for_decode("batched_mm") == "batched_mm"
     with pytest.raises(ConfigError, match="grpo.decode_experts: 'fast' is not one of grouped_mm, batched_mm, eager"):
         load_recipe(None, {"grpo.decode_experts": "fast"})
