@@ -184,8 +184,8 @@ class PhaseTimer:
     run as they are called."""
 
     def __init__(self, acc):
-        event = acc.Event() if acc.device_name() == "cuda" else None  # torch.cuda.Event
-        self.new = (lambda: event(enable_timing=True)) if event else None
+        # The accelerator's Event(**kw) is torch.cuda.Event(**kw): it returns an event, not the class.
+        self.new = (lambda: acc.Event(enable_timing=True)) if acc.device_name() == "cuda" else None
         self.marks = []  # (start, after forward, after backward, after step) per micro-batch
 
     def mark(self):

@@ -184,7 +184,7 @@ I)
   # at the same global batch (64 x 2048), alternated twice on one machine
   prebuild
   S="--config $REF --steps 16 --warmup 4"
-  for k in 1 2; do
+  for k in $(seq 1 "${REPS:-2}"); do  # REPS=1: one pair
     bench tuned_r$k 1 80 $S --deepspeed_config ds_configs/zero2.json
     bench base_z3_plain_m16x4_r$k 1 110 $S --deepspeed_config ds_configs/zero3.json --no_autoep --micro_batch 16 \
       --ds_set gradient_accumulation_steps=4
