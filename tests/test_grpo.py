@@ -38,7 +38,7 @@ PROMPTS = [{"prompt": "Q: 20 + 36 = ? A:", "answer": "56"}, {"prompt": "Gus went
 GRPO_RECIPE = """
 data: {path: PROMPTS}
 train: {max_steps: 2, lr: 1.0e-3, warmup_steps: 0, log_every: 1}
-grpo: {group_size: 4, max_new_tokens: 8, temperature: 0.7, beta: 0.04, rollout: KIND, eval_path: PROMPTS, iterations: ITER,
+grpo: {group_size: 4, max_new_tokens: 8, temperature: 0.7, beta: 0.04, rollout: KIND, eval_path: PROMPTS,
        eval_every: 1, rewards: [{name: numeric, which: first}, {name: length_penalty, target: 3, scale: 0.1}]}
 checkpoint: {at_end: false}
 """
@@ -99,7 +99,7 @@ def probe(pretrained, name: str, ranks: int, kind: str, fp32: bool, *extra, iter
     d = pretrained / name
     d.mkdir()
     (d / "grpo.yaml").write_text(GRPO_RECIPE.replace("PROMPTS", str(pretrained / "prompts.jsonl"))
-                                 .replace("KIND", kind).replace("ITER", str(iterations)))
+                                 .replace("rollout: KIND", f"rollout: {kind}, iterations: {iterations}"))
     run_launcher(ranks, PROBE, "--out", d / "out", *extra, "--deepspeed_config", grpo_ds(d / "ds.json", fp32),
                  "--config", d / "grpo.yaml", "--init_from", pretrained / "hf", "--run_dir", d / "run", cwd=d)
     return [json.loads((d / "out" / f"rank{r}.json").read_text()) for r in range(ranks)]
