@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -24,7 +25,7 @@ from .data import load_tokenizer
 from .ds_config import read_ds_config, resolve_ds_config, zero_stage
 from .grpo_math import GRPOLossConfig, group_advantages, keep_mask, policy_loss, token_entropy, token_logprobs
 from .metrics import Metrics, print0
-from .model import build_model
+from .model import build_model, make_hf_config
 from .pretrain import peak_memory_gib, report_error
 from .parallel import World, build_engine, device_kind, init_distributed, model_dtype, world_from_env
 from .rewards import build_rewards
@@ -80,22 +81,46 @@ def resolve_init(init_from: str | None, recipe: Recipe) -> str | None:
     return None  # a DeepSpeed checkpoint: exported in main()
 
 
-def model_context(init_from: str | None, init: str | None, recipe: Recipe) -> int:
-    """max_position_embeddings of the model that will be trained: the loaded model's, not the recipe's."""
+def model_config(init_from: str | None, init: str | None, recipe: Recipe, tok):
+    """The Hugging Face config of the model that will be trained: the loaded model's, not the recipe's."""
     if init is not None:
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(init).max_position_embeddings
+        return AutoConfig.from_pretrained(init)
     if init_from is not None:
         from .export import ExportError, find_tag_dir, recorded_hf_config
 
         tag = find_tag_dir(init_from, None)
         try:
             state = json.loads((tag / checkpoint.STATE_FILE).read_text())
-            return recorded_hf_config(tag, state).max_position_embeddings
+            return recorded_hf_config(tag, state)
         except (OSError, ValueError, KeyError, ExportError) as e:
             raise ConfigError(f"--init_from {init_from}: cannot read the model's config from {tag}: {e}") from None
-    return recipe.model.max_position_embeddings
+    return make_hf_config(recipe.model, tok)
+
+
+def decoder_fit_problem(hf_config, dtype: torch.dtype, batch: int, cache_len: int, device_bytes: int) -> str | None:
+    """Why the local rollout decoder (a whole copy of the model plus its KV cache on every device) cannot take
+    more than half of a device's memory next to the training state, or None when it fits."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf_config).parameters())
+    size = torch.empty((), dtype=dtype).element_size()
+    if hasattr(hf_config, "kv_lora_rank"):  # MLA caches one latent per token, shared by the heads
+        per_token = hf_config.kv_lora_rank + hf_config.qk_rope_head_dim
+    else:
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        per_token = 2 * hf_config.num_key_value_heads * head_dim
+    weights = n_params * size
+    cache = hf_config.num_hidden_layers * batch * cache_len * per_token * size
+    if weights + cache <= device_bytes / 2:
+        return None
+    gib = 2**30
+    return (f"grpo.rollout: local keeps a whole copy of the model on every device ({weights / gib:.1f} GiB of weights "
+            f"+ {cache / gib:.1f} GiB of KV cache for {batch} sequences x {cache_len} slots), more than half of the "
+            f"device's {device_bytes / gib:.0f} GiB; set grpo.rollout: engine (generation through the ZeRO-3 engine, "
+            "for models that do not fit one device) or use fewer sequences per rank")
 
 
 def loss_config(g: GRPOConfig) -> GRPOLossConfig:
@@ -130,7 +155,8 @@ def preflight(args, world: World):
     prompts = load_prompts(recipe.data.path)
     evals = load_prompts(g.eval_path) if g.eval_path else []
     init = resolve_init(args.init_from, recipe)
-    limit = model_context(args.init_from, init, recipe)
+    hf_config = model_config(args.init_from, init, recipe, tok)
+    limit = hf_config.max_position_embeddings
     for name, rows in (("data.path", prompts), ("grpo.eval_path", evals)):
         for i, r in enumerate(rows):
             n = r["n_tokens"] = len(tok(r["prompt"])["input_ids"])  # also sizes the rollout decoder's cache
@@ -138,6 +164,15 @@ def preflight(args, world: World):
                 problems.append(f"{name} row {i}: prompt of {n} tokens + grpo.max_new_tokens {g.max_new_tokens} "
                                 f"exceeds the context ({limit}); shorten it or lower max_new_tokens")
                 break
+    if not problems and g.rollout != "engine" and device_kind() == "cuda":
+        cache_len = decoder_cache_len(prompts + evals, g.max_new_tokens)
+        problem = decoder_fit_problem(hf_config, model_dtype(ds), per_rank, cache_len,
+                                      torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", 0))).total_memory)
+        if problem and g.rollout == "local":
+            problems.append(problem)
+        elif problem:  # auto: generate through the engine instead
+            print0(f"note: {problem.split(';')[0]}: grpo.rollout auto picks engine")
+            recipe = replace(recipe, grpo=replace(g, rollout="engine"))
     if recipe.resume:  # as in pretraining: checked, and converted to the universal format on a new shape
         found, universal = checkpoint.check_resume(recipe, ds, world.size, world.rank)
         problems += found

@@ -73,3 +73,22 @@ def test_decoding_keeps_grouped_mm_experts():
     assert experts_for_decode("batched_mm") == "batched_mm"
     with pytest.raises(ConfigError, match="grpo.decode_experts: 'fast' is not one of grouped_mm, batched_mm, eager"):
         load_recipe(None, {"grpo.decode_experts": "fast"})
+
+
+def test_a_decoder_too_large_for_the_device_is_refused_naming_the_engine_rollout():
+    """The local decoder holds the whole model and its KV cache on every device; past half a device it is refused
+    (grpo.rollout: local) in one line that names the way out."""
+    from engine.config import ModelConfig
+    from engine.grpo import decoder_fit_problem
+    from engine.model import make_hf_config
+
+    cfg = make_hf_config(ModelConfig())
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+
+        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    cache = cfg.num_hidden_layers * 64 * 272 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2  # bf16 latent cache
+    need = n * 2 + cache
+    assert decoder_fit_problem(cfg, torch.bfloat16, 64, 272, device_bytes=2 * need) is None
+    problem = decoder_fit_problem(cfg, torch.bfloat16, 64, 272, device_bytes=2 * need - 2)
+    assert problem is not None and "grpo.rollout: engine" in problem and "\n" not in problem, problem
