@@ -29,6 +29,7 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top_p", type=float, default=1.0)
     ap.add_argument("--no_compile", action="store_true")
+    ap.add_argument("--decode_experts", help="grpo.decode_experts to use instead of the recipe's")
     ap.add_argument("--profile", action="store_true", help="print the device kernels of one call, by time")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
@@ -53,7 +54,7 @@ def main(argv=None) -> int:
     req = left_pad(prompts, tok, device)
     cache_len = -(-(req.prompt_ids.shape[1] + args.new_tokens) // 16) * 16
     t0 = time.perf_counter()
-    dec = Decoder(model, device, args.batch, cache_len, recipe.grpo.decode_experts,
+    dec = Decoder(model, device, args.batch, cache_len, args.decode_experts or recipe.grpo.decode_experts,
                   compile=False if args.no_compile else None)
     build_s = time.perf_counter() - t0
     rows = []
@@ -100,7 +101,7 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "a") as f:
             for r in rows:
-                f.write(json.dumps({"config": args.config, "batch": args.batch, "new_tokens": args.new_tokens,
+                f.write(json.dumps({"config": args.config, "decode_experts": args.decode_experts, "batch": args.batch, "new_tokens": args.new_tokens,
                                     "cache_len": cache_len, **r}) + "\n")
     return 0
 

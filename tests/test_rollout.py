@@ -71,8 +71,29 @@ def test_decoding_keeps_grouped_mm_experts():
         assert "grouped_mm" not in impl.values(), impl  # what generate's swap looks for
         torch.testing.assert_close(model(ids).logits, ref, rtol=0, atol=0)
     assert experts_for_decode("batched_mm") == "batched_mm"
-    with pytest.raises(ConfigError, match="grpo.decode_experts: 'fast' is not one of grouped_mm, batched_mm, eager"):
+    with pytest.raises(ConfigError, match="grpo.decode_experts: 'fast' is not one of grouped_mm, dense, batched_mm, eager"):
         load_recipe(None, {"grpo.decode_experts": "fast"})
+
+
+def test_dense_decode_experts_compute_what_grouped_mm_does():
+    """grpo.decode_experts: dense runs every expert on every token and weights the outputs by the routing (zero
+    off the top-k): the same numbers as the grouped kernel, in fp32 to rounding."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.config import ModelConfig
+    from engine.decoder import experts_for_decode
+    from engine.model import make_hf_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(make_hf_config(ModelConfig()))
+    ids = torch.randint(0, 512, (3, 12))
+    with torch.no_grad():
+        ref = model(ids).logits
+        model.set_experts_implementation(experts_for_decode("dense"))
+        assert set(model.get_experts_implementation().values()) == {"dense_decode"}
+        got = model(ids).logits
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    assert (got - ref).abs().max() < 1e-5 and ref.abs().max() > 1e-2
 
 
 def test_a_decoder_too_large_for_the_device_is_refused_naming_the_engine_rollout():
