@@ -388,20 +388,24 @@ def grpo_step(run: Run, rows: list[dict], sampling: SamplingConfig, step: int) -
     old = old_logps(run, r)
     timer.lap("old_s")
     stats = policy_update(run, r, adv, old, refl, timer)
-    train_s = sum(timer.s.values())
-    n_micro = run.g.iterations * (len(r.ids) // run.micro)
     forwards = run.g.iterations + (old is not None) + (run.ref is not None)
+    return metrics_row(run, r, scores, reward, stats, timer.s, forwards, step, time.time() - t0)
+
+
+def metrics_row(run: Run, r: Rollouts, scores, reward, stats: dict, phases: dict, forwards: int, step: int,
+                step_s: float) -> dict:
+    """The step's metrics, averaged (or summed) over ranks."""
+    train_s = sum(phases.values())
+    n_micro = run.g.iterations * (len(r.ids) // run.micro)
     new_tokens = float(r.attn[:, r.p_len:].sum())
-    decode_steps = getattr(run.rollout, "decode_steps", 0)
     row = {"step": step, "reward": _mean_all(reward.mean()), "reward_std": _mean_all(reward.std()),
            "lr": run.policy.get_lr()[0], "response_len": _mean_all(r.attn[:, r.p_len:].sum(1).float().mean()),
            "rollout_tokens_per_s": _sum_all(new_tokens) / max(r.seconds, 1e-9),
            "train_tokens_per_s": _sum_all(float(r.attn.sum()) * forwards) / max(train_s, 1e-9),
-           "rollout_s": r.seconds, "train_s": train_s, **{k: v for k, v in timer.s.items()},
-           "step_s": time.time() - t0, "peak_mem_gib": peak_memory_gib(),
+           "rollout_s": r.seconds, "train_s": train_s, **phases, "step_s": step_s, "peak_mem_gib": peak_memory_gib(),
            **{k: _mean_all(v / n_micro) for k, v in stats.items()}}
-    if decode_steps:
-        row["decode_ms_per_step"] = 1000 * run.rollout.decode_s / decode_steps
+    if getattr(run.rollout, "decode_steps", 0):
+        row["decode_ms_per_step"] = 1000 * run.rollout.decode_s / run.rollout.decode_steps
     if hasattr(run.rollout, "memory_bytes"):
         row["decoder_mem_gib"] = round(run.rollout.memory_bytes() / 2**30, 3)
     row["kl"] = row.pop("kl_mean", 0.0)
