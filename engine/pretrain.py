@@ -15,7 +15,8 @@ import torch
 from . import checkpoint, pipeline
 from .balance import ExpertBalance
 from .config import ConfigError, Recipe, load_recipe
-from .data import build_data, data_files, load_tokenizer, looks_local, to_device
+from .data import build_data, load_tokenizer, to_device
+from .data_check import check_corpus
 from .ds_config import compile_blocker, read_ds_config, resolve_ds_config, zero_stage
 from .metrics import Metrics, print0
 from .model import build_model
@@ -73,11 +74,8 @@ def preflight(args: argparse.Namespace, world: World):
                                 f"{recipe.model.vocab_size}; raise model.vocab_size to at least {len(tok)}")
         except ConfigError as e:
             problems.append(str(e))
-        if looks_local(recipe.data.path):
-            try:
-                data_files(recipe.data.path)
-            except ConfigError as e:
-                problems.append(str(e))
+        batch, dp = (ds["train_batch_size"], pipeline.data_coords(ds, 0, world.size)[1]) if ds else (None, world.size)
+        problems += check_corpus(recipe.data, tok, batch, dp)  # files, rows, encoding, tokens (a bounded sample)
     if ds is not None and recipe.resume:
         found, universal = checkpoint.check_resume(recipe, ds, world.size, world.rank)
         problems += found
