@@ -13,6 +13,7 @@ no rank runs dry first. The position is the number of sequences consumed (skippe
 from __future__ import annotations
 
 import itertools
+import json
 from collections import deque
 from pathlib import Path
 from typing import Iterator
@@ -91,7 +92,7 @@ def as_text(text, d: DataConfig, where: str) -> str:
     """A row's text field; a row without text (null, a number, a list) is one ConfigError naming it."""
     if not isinstance(text, str):
         raise ConfigError(f"data.path {d.path}: {where} has {d.text_field} = {text!r:.40}, not a string; fix that row "
-                          "(preflight checks only the first MB of a big corpus: docs/data.md)")
+                          "(preflight checks only the head of a big corpus: docs/data.md)")
     return text
 
 
@@ -174,7 +175,8 @@ class StreamedSequences:
         buf: list[int] = []
         for epoch in itertools.count():
             for i, row in enumerate(self.rows(epoch)):
-                text = as_text(row.get(self.d.text_field), self.d, f"row {i} of rank {self.rank}'s share (epoch {epoch})")
+                where = f"the row {json.dumps(row, default=str)[:80]} ({i}th of rank {self.rank}'s shuffled share)"
+                text = as_text(row.get(self.d.text_field), self.d, where)
                 buf += self.tok(text)["input_ids"] + [eos]
                 while len(buf) >= n:
                     yield np.asarray(buf[:n], dtype=np.int64)

@@ -54,19 +54,18 @@ def check_corpus(d: DataConfig, tok, batch: int | None, data_parallel: int) -> l
         return s.problems
     split_rows = d.streaming and len(files) % data_parallel  # split_dataset_by_node: every world-th row per rank
     if split_rows and s.complete and s.rows < data_parallel:
-        return [f"data.path {d.path}: {s.rows} rows in {len(files)} file(s); streaming on {data_parallel} data-parallel "
-                "ranks splits rows (rank r reads rows r, r + ranks, ...), so some rank would get none; add rows, or files "
-                "in a multiple of the ranks (each rank then reads its own files)"]
+        return [f"data.path {d.path}: {s.rows} rows in {len(files)} file(s); streaming on {data_parallel} "
+                "data-parallel ranks splits rows (rank r reads rows r, r + ranks, ...), so some rank would get none; "
+                "add rows, or files in a multiple of the ranks (each rank then reads its own files)"]
     return check_tokens(d, tok, s, batch) if batch and tok is not None else []
 
 
 def check_tokens(d: DataConfig, tok, s: Sample, batch: int) -> list[str]:
     """The corpus must pack into at least one global batch of data.seq_len windows."""
-    need, tokens, used, done = batch * d.seq_len, 0, 0, 0
+    need, tokens, done = batch * d.seq_len, 0, 0
     while done < len(s.texts) and tokens < need:  # tokenize only until one step's worth is seen
         chunk = s.texts[done:done + 256]
         tokens += sum(len(ids) + 1 for ids in tok(chunk)["input_ids"])  # +1: the EOS that joins documents
-        used += sum(len(t.encode()) for t in chunk)
         done += len(chunk)
     if tokens >= need:
         return []
@@ -85,9 +84,12 @@ def check_tokens(d: DataConfig, tok, s: Sample, batch: int) -> list[str]:
 def check_prompt_file(path: str, where: str) -> None:
     """GRPO prompts (and eval prompts): every row needs string `prompt` and `answer`. Raises one ConfigError."""
     try:
-        _, files = data_files(path)
+        builder, files = data_files(path)
     except ConfigError as e:
         raise ConfigError(str(e).replace("data.path", where, 1)) from None
+    if builder == "text":
+        raise ConfigError(f"{where} {path}: a .txt file has one column, text; prompts need `prompt` and `answer` "
+                          "columns (a .jsonl or .parquet file)")
     s = sample_files(files, PROMPT_FIELDS, path, where)
     if not s.problems and s.complete and s.rows == 0:
         s.problems.append(f"{where} {path}: no rows; it needs rows with `prompt` and `answer`")
@@ -106,11 +108,14 @@ def sample_files(files: list[str], fields: dict, path: str, where: str = "data.p
     picked = [f for f in files if sizes[f]]
     picked = picked[:: -(-len(picked) // SAMPLE_FILES)][:SAMPLE_FILES]  # spread over the list
     s.complete = len(picked) == len([f for f in files if sizes[f]])
+    bad = []
     for f in picked:
-        prefix = f"{where} {path}: " + ("" if f == path else f"{f}: ")
         problem = read_rows(f, fields, SAMPLE_BYTES // len(picked), s)
         if problem:
-            s.problems.append(prefix + problem)
+            bad.append(problem if Path(path).is_file() else f"{f}: {problem}")
+    if bad:  # a few files by name, the count of the rest
+        more = f"; and {len(bad) - 3} more of the {len(picked)} files checked" if len(bad) > 3 else ""
+        s.problems.append(f"{where} {path}: " + "; ".join(bad[:3]) + more)
     return s
 
 
@@ -147,11 +152,11 @@ def read_rows(f: str, fields: dict, limit: int, s: Sample) -> str | None:
         doc = _parse(text)
         if isinstance(doc, ValueError):
             return f"is neither JSON lines nor one JSON document ({doc})"
-        if isinstance(doc, dict):  # columns of values, or one row
-            doc = [dict(zip(doc, r)) for r in zip(*doc.values())] if all(isinstance(v, list) for v in doc.values()) else [doc]
+        if isinstance(doc, dict) and all(isinstance(v, list) for v in doc.values()):  # columns of values
+            doc = [dict(zip(doc, r)) for r in zip(*doc.values())]
         numbered = [(f"row {i}", r) for i, r in enumerate(doc if isinstance(doc, list) else [doc])]
     unit = numbered[0][0].split()[0] + "s" if numbered else "rows"
-    return check_rows(numbered, fields, s, unit if whole else f"{unit} read")
+    return check_rows(numbered, fields, s, unit if whole else f"first {unit}")
 
 
 def _parse(line: str):
@@ -171,9 +176,9 @@ def check_rows(rows, fields: dict, s: Sample, unit: str) -> str | None:
         else:
             s.texts.append(row[next(iter(fields))])
     s.rows += n
-    if bad:
-        return f"{first} ({bad} of {n} {unit} bad); fix those rows" + (" or set data.text_field" if len(fields) == 1 else "")
-    return None
+    if not bad:
+        return None
+    return f"{first} (bad: {bad} of the {n} {unit}); fix those rows" + (" or set data.text_field" * (len(fields) == 1))
 
 
 def row_problem(row, fields: dict) -> str | None:

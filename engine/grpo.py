@@ -63,7 +63,8 @@ def load_prompts(path: str, where: str = "data.path") -> list[dict]:
     rows = [{"prompt": r["prompt"], "answer": r["answer"]} for r in ds]
     bad = [(i, row_problem(r, PROMPT_FIELDS)) for i, r in enumerate(rows) if row_problem(r, PROMPT_FIELDS)]
     if bad:  # past the head checked above: every row is in memory now
-        raise ConfigError(f"{where} {path}: row {bad[0][0]} {bad[0][1]} ({len(bad)} of {len(rows)} rows bad); fix them")
+        raise ConfigError(f"{where} {path}: row {bad[0][0]} {bad[0][1]} (bad: {len(bad)} of the {len(rows)} rows); "
+                          "fix those rows")
     return rows
 
 

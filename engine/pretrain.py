@@ -198,8 +198,8 @@ class DataStop(Exception):
 
     def __init__(self, error: ConfigError | None, step: int, saved: bool = False):
         self.error, self.step, self.saved = error, step, saved
-        super().__init__(f"{error} (reading the data of step {step}" + (f"; saved step {step - 1}, continue with "
-                                                                         "--resume once it is fixed)" if saved else ")"))
+        then = f"; saved step {step - 1}, continue with --resume once it is fixed" if saved else ""
+        super().__init__(f"{error} (reading the data of step {step}{then})")
 
 
 def zero_step(engine, batches, accum: int, position: int) -> tuple[int, torch.Tensor]:

@@ -70,8 +70,8 @@ def test_one_line_txt_says_how_many_tokens_it_has_and_one_step_needs(tmp_path, m
 def test_jsonl_row_without_text_names_the_first_bad_row_and_counts_them(tmp_path, monkeypatch, capfd):
     f = jsonl(tmp_path / "c.jsonl", [{"text": STORY}, {"body": STORY}, {"text": None}, {"text": 5}, {"text": STORY}])
     line = pretrain_refuses(tmp_path, monkeypatch, capfd, f)
-    assert f"data.path {f}: line 2 has no 'text' (keys: ['body']) (3 of 5 lines bad); fix those rows or set " \
-           "data.text_field" in line
+    assert f"data.path {f}: line 2 has no 'text' (keys: ['body']) (bad: 3 of the 5 lines); fix those rows or " \
+           "set data.text_field" in line
 
 
 def test_random_bytes_are_not_text(tmp_path, monkeypatch, capfd):
@@ -111,7 +111,7 @@ def test_a_bad_file_in_a_folder_is_named_with_the_other_problems(tmp_path, monke
                             ds=write_ds(tmp_path / "ds.json", train_batch_size=10))
     assert "train_batch_size (10) != " in line  # the DS config's problem, in the same line
     assert f"data.path {tmp_path}/docs: {tmp_path}/docs/b.jsonl: line 2 is not valid JSON (" in line
-    assert "(1 of 3 lines bad)" in line
+    assert "(bad: 1 of the 3 lines)" in line
 
 
 def test_parquet_without_string_text(tmp_path, monkeypatch, capfd):
@@ -153,9 +153,9 @@ def test_a_streamed_row_past_the_checked_head_stops_every_rank_at_a_step_with_a_
     from engine import data_check
     from engine.pretrain import main
 
-    monkeypatch.setattr(data_check, "SAMPLE_BYTES", 4096)
-    rows = [{"text": f"{STORY} {i}"} for i in range(200)]
-    rows[120] = {"body": "no text here"}
+    monkeypatch.setattr(data_check, "SAMPLE_BYTES", 1024)  # about 10 rows
+    rows = [{"text": f"{STORY} {i}"} for i in range(60)]
+    rows[45] = {"body": "no text here"}
     f = jsonl(tmp_path / "c.jsonl", rows)
     (tmp_path / "recipe.yaml").write_text(TINY.replace("seq_len: 128", "seq_len: 32\n  streaming: true"))
     as_rank0(monkeypatch)
@@ -171,7 +171,8 @@ def test_a_streamed_row_past_the_checked_head_stops_every_rank_at_a_step_with_a_
     saved = (run / "checkpoints" / "latest").read_text()
     step = int(saved.removeprefix("step_"))
     assert 0 < step < 100 and read_metrics(run)[-1]["step"] == step
-    assert lines[0].startswith(f"error: data.path {f}: row ") and "has text = None, not a string" in lines[0]
+    assert lines[0].startswith(f"error: data.path {f}: the row {{") and '"body": "no text here"' in lines[0]
+    assert "has text = None, not a string" in lines[0]
     assert f"(reading the data of step {step + 1}; saved step {step}, continue with --resume once it is fixed)" \
         in lines[0]
 
@@ -179,7 +180,7 @@ def test_a_streamed_row_past_the_checked_head_stops_every_rank_at_a_step_with_a_
 # GRPO prompt files: data.path and grpo.eval_path.
 @pytest.mark.parametrize("case, expect", [
     ("empty", "data.path {f}: the file is empty (0 bytes)"),
-    ("no_answer", "data.path {f}: line 2 has no 'answer' (keys: ['prompt']) (1 of 2 lines bad); fix those rows"),
+    ("no_answer", "data.path {f}: line 2 has no 'answer' (keys: ['prompt']) (bad: 1 of the 2 lines); fix those"),
     ("no_prompt", "data.path {f}: line 1 has no 'prompt' (keys: ['answer', 'question'])"),
     ("list_prompt", "data.path {f}: line 2 has 'prompt' = [\"Q: 1 + 1\"], a list, not a string"),
     ("dict_answer", "data.path {f}: line 1 has 'answer' = {{\"value\": 2}}, a dict, not a string or number"),
@@ -218,7 +219,7 @@ def test_prompts_past_the_checked_head_are_checked_once_loaded(tmp_path, monkeyp
     rows = [{"prompt": f"Q: {i} + 1 = ? A:", "answer": i + 1} for i in range(40)]
     assert load_prompts(jsonl(tmp_path / "ok.jsonl", rows))[5] == {"prompt": "Q: 5 + 1 = ? A:", "answer": 6}
     rows[30] = {"prompt": None, "answer": 1}
-    with pytest.raises(ConfigError, match=r"data.path .*bad.jsonl: row 30 has no 'prompt' .* \(1 of 40 rows bad\)"):
+    with pytest.raises(ConfigError, match=r"data.path .*bad.jsonl: row 30 has no 'prompt' .* \(bad: 1 of the 40 rows\)"):
         load_prompts(jsonl(tmp_path / "bad.jsonl", rows))
 
 
@@ -229,18 +230,13 @@ def cli(tmp_path, script, *args, **extra) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=180)
 
 
-@pytest.mark.parametrize("case", ["pretrain_hub_offline_not_cached", "pretrain_jsonl_without_text",
-                                  "grpo_empty_prompts"])
+@pytest.mark.parametrize("case", ["pretrain_hub_offline_not_cached", "grpo_empty_prompts"])
 def test_cli_bad_data_is_one_line_and_exit_2(tmp_path, case):
     if case == "pretrain_hub_offline_not_cached":
         p = cli(tmp_path, "pretrain.py", "--deepspeed_config", ZERO3, "--data", "roneneldan/TinyStories",
                 HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
         expect = ("data.path roneneldan/TinyStories: cannot find it in the cache (HF_HUB_OFFLINE is set) "
                   "(ConnectionError: ")
-    elif case == "pretrain_jsonl_without_text":
-        f = jsonl(tmp_path / "c.jsonl", [{"text": STORY}, {"body": STORY}])
-        p = cli(tmp_path, "pretrain.py", "--deepspeed_config", ZERO3, "--data", f)
-        expect = f"data.path {f}: line 2 has no 'text'"
     else:
         f = jsonl(tmp_path / "p.jsonl", [])
         p = cli(tmp_path, "grpo.py", "--deepspeed_config", ZERO3_GRPO, "--data", f)
