@@ -82,6 +82,14 @@ class Cadence:
     def fail(self) -> None:
         self._fail = True  # acted on at this step boundary, on every rank
 
+    def agree_failed(self) -> bool:
+        """Whether any rank called fail(), the same on every rank: before the first step (due() does it after)."""
+        flag = torch.tensor([float(self._fail)], device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.failed = bool(flag[0])
+        return self.failed
+
     def due(self, step: int, max_steps: int) -> tuple[bool, bool]:
         """(save now, stop after saving), the same on every rank."""
         by_time = self.c.every_minutes > 0 and time.time() - self.last >= 60 * self.c.every_minutes

@@ -85,7 +85,7 @@ def cause(e: BaseException) -> str:
     generating the dataset")."""
     while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
         e = e.__cause__ or e.__context__
-    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
 
 
 def as_text(text, d: DataConfig, where: str) -> str:
@@ -162,7 +162,7 @@ class StreamedSequences:
             except StopIteration:
                 break
             except Exception as e:  # noqa: BLE001  (datasets and pyarrow raise many kinds)
-                raise ConfigError(f"data.path {self.d.path}: cannot read past row {i} of rank {self.rank}'s share "
+                raise ConfigError(f"data.path {self.d.path}: cannot read row {i} of rank {self.rank}'s share "
                                   f"(epoch {epoch}): {cause(e)}; fix the file") from None
             yield row
             i += 1
@@ -175,7 +175,7 @@ class StreamedSequences:
         buf: list[int] = []
         for epoch in itertools.count():
             for i, row in enumerate(self.rows(epoch)):
-                where = f"the row {json.dumps(row, default=str)[:80]} ({i}th of rank {self.rank}'s shuffled share)"
+                where = f"the row {json.dumps(row, default=str)[:80]} (row {i} of rank {self.rank}'s shuffled share)"
                 text = as_text(row.get(self.d.text_field), self.d, where)
                 buf += self.tok(text)["input_ids"] + [eos]
                 while len(buf) >= n:

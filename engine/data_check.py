@@ -34,6 +34,7 @@ class Sample:
     total_bytes: int = 0  # bytes of all the files
     complete: bool = True  # every file was read to its end
     problems: list = field(default_factory=list)
+    columns: dict = field(default_factory=dict)  # file -> the keys of its rows (JSON files)
 
 
 def check_corpus(d: DataConfig, tok, batch: int | None, data_parallel: int) -> list[str]:
@@ -113,6 +114,12 @@ def sample_files(files: list[str], fields: dict, path: str, where: str = "data.p
         problem = read_rows(f, fields, SAMPLE_BYTES // len(picked), s)
         if problem:
             bad.append(problem if Path(path).is_file() else f"{f}: {problem}")
+    first = next(iter(s.columns), None)
+    extra = {f: sorted(keys - s.columns[first]) for f, keys in s.columns.items() if keys - s.columns[first]}
+    if extra:  # datasets reads every file with the first one's columns: a file with more fails to load
+        f, keys = next(iter(extra.items()))
+        bad.append(f"{f} has the column(s) {keys} that the first file {first} has not ({len(extra)} such files); "
+                   "datasets reads every file with the first one's columns: give every file the same columns")
     if bad:  # a few files by name, the count of the rest
         more = f"; and {len(bad) - 3} more of the {len(picked)} files checked" if len(bad) > 3 else ""
         s.problems.append(f"{where} {path}: " + "; ".join(bad[:3]) + more)
@@ -156,6 +163,7 @@ def read_rows(f: str, fields: dict, limit: int, s: Sample) -> str | None:
             doc = [dict(zip(doc, r)) for r in zip(*doc.values())]
         numbered = [(f"row {i}", r) for i, r in enumerate(doc if isinstance(doc, list) else [doc])]
     unit = numbered[0][0].split()[0] + "s" if numbered else "rows"
+    s.columns[f] = {k for _, row in numbered if isinstance(row, dict) for k in row}
     return check_rows(numbered, fields, s, unit if whole else f"first {unit}")
 
 

@@ -152,12 +152,15 @@ def train(recipe: Recipe, engine, data, tok, world: World) -> list[dict]:
     tokens_per_step = engine.train_batch_size() * recipe.data.seq_len
     batches = ReadAhead(data.micro_batches(micro, *pipeline.data_coords(engine.config, world.rank, world.size),
                                            start=position), accum)
-    if batches.fill():  # before the first step: nothing to save
-        raise DataStop(batches.error, step + 1)
     train_step = pipeline.train_step if pipeline.is_pipeline(engine.config) else zero_step
-    metrics = Metrics(recipe.run_dir, recipe.train.max_steps, step, engine.monitor)
     device = engine.device
     saver = checkpoint.Cadence(recipe.checkpoint, device)  # also: SIGTERM/SIGINT -> save at the next step, stop
+    if batches.fill():
+        saver.fail()
+    if saver.agree_failed():  # some rank cannot read the first step's data: every rank stops before it
+        saver.close()
+        raise DataStop(batches.error, step + 1)
+    metrics = Metrics(recipe.run_dir, recipe.train.max_steps, step, engine.monitor)
     rows, t0, loss_sum, logged = [], time.time(), torch.zeros((), device=device), step
     while step < recipe.train.max_steps:
         position, loss = train_step(engine, batches, accum, position)

@@ -11,11 +11,12 @@ import sys
 
 import pytest
 
-from conftest import ROOT, ZERO3, env, free_port, read_metrics, write_ds
+from conftest import DEEPSPEED, ROOT, ZERO3, env, free_port, read_metrics, write_ds
 
 from engine.config import RECIPES
 
 ZERO3_GRPO = ROOT / "ds_configs" / "zero3_grpo.json"
+SMALL_SAMPLE = ROOT / "tests" / "scripts" / "pretrain_small_sample.py"
 GRPO_TINY = (RECIPES / "grpo_tiny.yaml").read_text()
 TINY = (RECIPES / "tiny.yaml").read_text()
 STORY = "Gus went to the harbor with 9 pens. Ada gave Gus 17 more. Now Gus has 26 pens."
@@ -107,11 +108,14 @@ def test_a_bad_file_in_a_folder_is_named_with_the_other_problems(tmp_path, monke
     (tmp_path / "docs").mkdir()
     jsonl(tmp_path / "docs" / "a.jsonl", [{"text": STORY}] * 100)
     jsonl(tmp_path / "docs" / "b.jsonl", [{"text": STORY}, '{"text": "cut', {"text": STORY}])
+    jsonl(tmp_path / "docs" / "c.jsonl", [{"text": STORY, "source": "web"}] * 100)  # datasets would fail on it
     line = pretrain_refuses(tmp_path, monkeypatch, capfd, tmp_path / "docs",
                             ds=write_ds(tmp_path / "ds.json", train_batch_size=10))
     assert "train_batch_size (10) != " in line  # the DS config's problem, in the same line
     assert f"data.path {tmp_path}/docs: {tmp_path}/docs/b.jsonl: line 2 is not valid JSON (" in line
     assert "(bad: 1 of the 3 lines)" in line
+    assert f"; {tmp_path}/docs/c.jsonl has the column(s) ['source'] that the first file {tmp_path}/docs/a.jsonl has " \
+           "not (1 such files); datasets reads every file with the first one's columns" in line
 
 
 def test_parquet_without_string_text(tmp_path, monkeypatch, capfd):
@@ -144,37 +148,6 @@ def test_streaming_one_file_on_two_ranks_splits_its_rows(tmp_path):
     shares = [[r["text"] for r in StreamedSequences(load_documents(d), load_tokenizer(d.tokenizer), d, rank, 2, 0)
                .rows(0)] for rank in (0, 1)]
     assert len(shares[0]) == len(shares[1]) == 5 and not set(shares[0]) & set(shares[1])
-
-
-def test_a_streamed_row_past_the_checked_head_stops_every_rank_at_a_step_with_a_checkpoint(tmp_path, monkeypatch,
-                                                                                            capfd):
-    """Preflight reads only the head (SAMPLE_BYTES, made small here); a row without text deeper in the file stops
-    the run at a step boundary: checkpoint saved (at_end), one line naming the file and the step, exit 1."""
-    from engine import data_check
-    from engine.pretrain import main
-
-    monkeypatch.setattr(data_check, "SAMPLE_BYTES", 1024)  # about 10 rows
-    rows = [{"text": f"{STORY} {i}"} for i in range(60)]
-    rows[45] = {"body": "no text here"}
-    f = jsonl(tmp_path / "c.jsonl", rows)
-    (tmp_path / "recipe.yaml").write_text(TINY.replace("seq_len: 128", "seq_len: 32\n  streaming: true"))
-    as_rank0(monkeypatch)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    run = tmp_path / "run"
-    rc = main(["--deepspeed_config", str(ZERO3), "--config", str(tmp_path / "recipe.yaml"), "--data", f,
-               "--max_steps", "100", "--run_dir", str(run)])
-    err = capfd.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("error")]
-    assert rc == 1 and len(lines) == 1, err[-3000:]
-    assert "Traceback" not in err
-    saved = (run / "checkpoints" / "latest").read_text()
-    step = int(saved.removeprefix("step_"))
-    assert 0 < step < 100 and read_metrics(run)[-1]["step"] == step
-    assert lines[0].startswith(f"error: data.path {f}: the row {{") and '"body": "no text here"' in lines[0]
-    assert "has text = None, not a string" in lines[0]
-    assert f"(reading the data of step {step + 1}; saved step {step}, continue with --resume once it is fixed)" \
-        in lines[0]
 
 
 # GRPO prompt files: data.path and grpo.eval_path.
@@ -245,3 +218,27 @@ def test_cli_bad_data_is_one_line_and_exit_2(tmp_path, case):
     assert p.returncode == 2 and lines and lines[0].startswith("error: ") and expect in lines[0], p.stderr[-3000:]
     assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_bad_streamed_row_on_one_of_two_ranks_stops_both_at_a_step_with_a_checkpoint(tmp_path):
+    """Two ranks through the real launcher, streaming one file each; one file has a row without text past the
+    checked head. Both ranks stop at the same step boundary (no hang), the checkpoint of the last step is saved,
+    the rank that read the row prints the one line, and the launcher exits non-zero."""
+    (tmp_path / "docs").mkdir()
+    good = [{"text": f"{STORY} {i}"} for i in range(60)]
+    jsonl(tmp_path / "docs" / "a.jsonl", good)
+    jsonl(tmp_path / "docs" / "b.jsonl", good[:30] + [{"text": None}] + good[30:])  # the same columns: a null
+    (tmp_path / "recipe.yaml").write_text(TINY.replace("seq_len: 128", "seq_len: 32\n  streaming: true"))
+    e = env(SAMPLE_BYTES="1024")
+    cmd = [DEEPSPEED, "--master_port", str(free_port()), "--num_gpus", "2", str(SMALL_SAMPLE),
+           "--deepspeed_config", str(ZERO3), "--config", str(tmp_path / "recipe.yaml"), "--data", str(tmp_path / "docs"),
+           "--max_steps", "100", "--run_dir", str(tmp_path / "run")]
+    p = subprocess.run(cmd, cwd=tmp_path, env=e, capture_output=True, text=True, timeout=600)
+    out = p.stdout + p.stderr
+    errors = [line for line in out.splitlines() if "error: " in line]
+    assert p.returncode != 0 and len(errors) == 1, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    step = int((tmp_path / "run" / "checkpoints" / "latest").read_text().removeprefix("step_"))
+    assert 0 < step < 100 and read_metrics(tmp_path / "run")[-1]["step"] == step
+    assert f"error: data.path {tmp_path}/docs: the row {{\"text\": null}} (" in errors[0], errors[0]
+    assert f"(reading the data of step {step + 1}; saved step {step}, continue with --resume" in errors[0]
