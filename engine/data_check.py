@@ -16,7 +16,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from .config import ConfigError, DataConfig
-from .data import data_files, looks_local
+from .data import cause, data_files, looks_local
 
 SAMPLE_FILES = 16
 SAMPLE_BYTES = 1 << 20
@@ -249,16 +249,18 @@ def check_hub(d: DataConfig) -> list[str]:
                 f"cannot be reached; {HUB_FIX}"]
     import datasets
 
-    level = datasets.logging.get_verbosity()
-    datasets.logging.set_verbosity_error()
+    level, bars = datasets.logging.get_verbosity(), not datasets.utils.are_progress_bars_disabled()
+    datasets.logging.set_verbosity_error()  # a refusal must be the only line on stderr
+    datasets.disable_progress_bars()
     try:
         info = datasets.load_dataset_builder(d.path).info
     except Exception as e:  # noqa: BLE001  (datasets raises many kinds)
         where = "in the cache (HF_HUB_OFFLINE is set)" if offline else "on the Hub"
-        return [f"data.path {d.path}: cannot find it {where} ({type(e).__name__}: {str(e).splitlines()[0]}); "
-                f"check the name, or {HUB_FIX}"]
+        return [f"data.path {d.path}: cannot find it {where} ({cause(e)}); check the name, or {HUB_FIX}"]
     finally:
         datasets.logging.set_verbosity(level)
+        if bars:
+            datasets.enable_progress_bars()
     p = []
     if info.features is not None and d.text_field not in info.features:
         p.append(f"data.text_field {d.text_field!r} is not a column of {d.path} (columns: {list(info.features)}); "

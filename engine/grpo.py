@@ -61,7 +61,7 @@ def load_prompts(path: str, where: str = "data.path") -> list[dict]:
     if "answer" not in ds.column_names:
         raise ConfigError(f"{where} {path}: needs an `answer` column next to `prompt` (columns: {ds.column_names})")
     rows = [{"prompt": r["prompt"], "answer": r["answer"]} for r in ds]
-    bad = [(i, row_problem(r, PROMPT_FIELDS)) for i, r in enumerate(rows) if row_problem(r, PROMPT_FIELDS)]
+    bad = [(i, why) for i, why in enumerate(map(lambda r: row_problem(r, PROMPT_FIELDS), rows)) if why]
     if bad:  # past the head checked above: every row is in memory now
         raise ConfigError(f"{where} {path}: row {bad[0][0]} {bad[0][1]} (bad: {len(bad)} of the {len(rows)} rows); "
                           "fix those rows")

@@ -150,6 +150,19 @@ def test_streaming_one_file_on_two_ranks_splits_its_rows(tmp_path):
     assert len(shares[0]) == len(shares[1]) == 5 and not set(shares[0]) & set(shares[1])
 
 
+def test_map_style_rows_past_the_checked_head_are_named_when_tokenized(tmp_path):
+    """Map-style data is read whole by every rank before the model is built: a row without text past preflight's
+    sample is one ConfigError naming the row (main() reports it in one line, exit 2), not the tokenizer's TypeError."""
+    from engine.config import ConfigError, DataConfig
+    from engine.data import build_data, load_tokenizer
+
+    rows = [{"text": f"{STORY} {i}"} for i in range(40)]
+    rows[33] = {"text": None}
+    d = DataConfig(path=jsonl(tmp_path / "c.jsonl", rows), seq_len=32)
+    with pytest.raises(ConfigError, match=r"data.path .*c.jsonl: row 33 has text = None, not a string; fix that row"):
+        build_data(d, load_tokenizer(d.tokenizer), 0, 1, 0)
+
+
 # GRPO prompt files: data.path and grpo.eval_path.
 @pytest.mark.parametrize("case, expect", [
     ("empty", "data.path {f}: the file is empty (0 bytes)"),
