@@ -60,7 +60,8 @@ class Cadence:
 
     The signal handler only sets a flag; `due` all-reduces (MAX) the flags of every rank at each step boundary,
     so all ranks enter the save together even when only one rank (or only the launcher's first child) got the
-    signal. Call `close()` to restore the previous handlers.
+    signal. `fail()` (this rank cannot read its next batch) stops every rank the same way, saving when at_end is
+    set (the run ends there); `failed` then says so on every rank. Call `close()` to restore the previous handlers.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -68,6 +69,7 @@ class Cadence:
     def __init__(self, c: CheckpointConfig, device: torch.device | str = "cpu"):
         self.c, self.last, self.device = c, time.time(), device
         self.signal: int = 0
+        self.failed = self._fail = False
         self._previous = {}
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
@@ -77,15 +79,28 @@ class Cadence:
     def _on_signal(self, signum, frame) -> None:
         self.signal = self.signal or signum  # acted on at the next step boundary; a second signal changes nothing
 
+    def fail(self) -> None:
+        self._fail = True  # acted on at this step boundary, on every rank
+
+    def agree_failed(self) -> bool:
+        """Whether any rank called fail(), the same on every rank: before the first step (due() does it after)."""
+        flag = torch.tensor([float(self._fail)], device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.failed = bool(flag[0])
+        return self.failed
+
     def due(self, step: int, max_steps: int) -> tuple[bool, bool]:
         """(save now, stop after saving), the same on every rank."""
         by_time = self.c.every_minutes > 0 and time.time() - self.last >= 60 * self.c.every_minutes
-        flags = torch.tensor([float(by_time), float(self.signal)], device=self.device)  # NCCL: accelerator tensors
+        flags = torch.tensor([float(by_time), float(self.signal), float(self._fail)],
+                             device=self.device)  # NCCL: accelerator tensors
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        stop = bool(flags[1])
-        due = ((self.c.at_end and step == max_steps) or (self.c.every_steps and step % self.c.every_steps == 0)
-               or bool(flags[0]) or stop)
+        self.failed = bool(flags[2])
+        stop = bool(flags[1]) or self.failed
+        due = ((self.c.at_end and (step == max_steps or self.failed))
+               or (self.c.every_steps and step % self.c.every_steps == 0) or bool(flags[0]) or bool(flags[1]))
         if due:
             self.last = time.time()
         if stop and not self.signal:

@@ -13,6 +13,8 @@ no rank runs dry first. The position is the number of sequences consumed (skippe
 from __future__ import annotations
 
 import itertools
+import json
+from collections import deque
 from pathlib import Path
 from typing import Iterator
 
@@ -70,12 +72,28 @@ def load_documents(d: DataConfig, streaming: bool | None = None):
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001
-        raise ConfigError(f"data.path {d.path}: cannot load ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+        raise ConfigError(f"data.path {d.path}: cannot load ({cause(e)})") from None
     columns = ds.column_names if ds.column_names is not None else list(next(iter(ds)).keys())
     if d.text_field not in columns:
         raise ConfigError(f"data.text_field {d.text_field!r} is not a column of {d.path} (columns: {columns}); "
                           "set data.text_field")
     return ds
+
+
+def cause(e: BaseException) -> str:
+    """The innermost cause of an error, in a line: datasets wraps the telling one ("An error occurred while
+    generating the dataset")."""
+    while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
+        e = e.__cause__ or e.__context__
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+
+
+def as_text(text, d: DataConfig, where: str) -> str:
+    """A row's text field; a row without text (null, a number, a list) is one ConfigError naming it."""
+    if not isinstance(text, str):
+        raise ConfigError(f"data.path {d.path}: {where} has {d.text_field} = {text!r:.40}, not a string; fix that row "
+                          "(preflight checks only the head of a big corpus: docs/data.md)")
+    return text
 
 
 def pack(token_lists, eos: int, seq_len: int) -> np.ndarray:
@@ -124,21 +142,42 @@ def to_device(ids: torch.Tensor, device) -> torch.Tensor:
 
 
 class StreamedSequences:
-    """Streaming: this rank's part of the stream, packed on the fly, repeated forever."""
+    """Streaming: this rank's part of the stream, packed on the fly, repeated forever.
+
+    A row that cannot be read or holds no text, or an epoch with no rows for this rank, raises one ConfigError
+    (never a hang: the stream would otherwise loop forever on an empty share)."""
 
     def __init__(self, docs, tokenizer, d: DataConfig, rank: int, world: int, seed: int):
         from datasets.distributed import split_dataset_by_node
 
         self.docs = split_dataset_by_node(docs.shuffle(seed=seed, buffer_size=1000), rank=rank, world_size=world)
-        self.tok, self.d = tokenizer, d
+        self.tok, self.d, self.rank, self.world = tokenizer, d, rank, world
+
+    def rows(self, epoch: int) -> Iterator[dict]:
+        self.docs.set_epoch(epoch)
+        it, i = iter(self.docs), 0
+        while True:
+            try:
+                row = next(it)
+            except StopIteration:
+                break
+            except Exception as e:  # noqa: BLE001  (datasets and pyarrow raise many kinds)
+                raise ConfigError(f"data.path {self.d.path}: cannot read row {i} of rank {self.rank}'s share "
+                                  f"(epoch {epoch}): {cause(e)}; fix the file") from None
+            yield row
+            i += 1
+        if i == 0:
+            raise ConfigError(f"data.path {self.d.path}: rank {self.rank} of {self.world} got no rows to stream; add "
+                              "rows, or files in a multiple of the data-parallel ranks")
 
     def sequences(self) -> Iterator[np.ndarray]:
         eos, n = self.tok.eos_token_id, self.d.seq_len
         buf: list[int] = []
         for epoch in itertools.count():
-            self.docs.set_epoch(epoch)
-            for row in self.docs:
-                buf += self.tok(row[self.d.text_field])["input_ids"] + [eos]
+            for i, row in enumerate(self.rows(epoch)):
+                where = f"the row {json.dumps(row, default=str)[:80]} (row {i} of rank {self.rank}'s shuffled share)"
+                text = as_text(row.get(self.d.text_field), self.d, where)
+                buf += self.tok(text)["input_ids"] + [eos]
                 while len(buf) >= n:
                     yield np.asarray(buf[:n], dtype=np.int64)
                     buf = buf[n:]
@@ -149,11 +188,37 @@ class StreamedSequences:
             yield j + 1, torch.from_numpy(np.stack([next(it) for _ in range(micro)]))
 
 
+class ReadAhead:
+    """The next step's micro-batches, read before the step starts: a rank that cannot read them says so at a step
+    boundary (checkpoint.Cadence.fail), where every rank can stop together, instead of dying inside a collective."""
+
+    def __init__(self, batches: Iterator, per_step: int):
+        self.batches, self.per_step, self.ready, self.error = batches, per_step, deque(), None
+
+    def fill(self) -> ConfigError | None:
+        try:
+            while len(self.ready) < self.per_step:
+                self.ready.append(next(self.batches))
+        except ConfigError as e:
+            self.error = e
+        return self.error
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self.ready.popleft() if self.ready else next(self.batches)
+
+
 def build_data(d: DataConfig, tokenizer, rank: int, world: int, seed: int):
     """The training sequences for this rank: PackedSequences or StreamedSequences."""
     docs = load_documents(d)
     if d.streaming:
         return StreamedSequences(docs, tokenizer, d, rank, world, seed)
-    tokenized = docs.map(lambda b: {"ids": tokenizer(b[d.text_field])["input_ids"]}, batched=True,
-                         remove_columns=docs.column_names, desc="tokenizing")
+
+    def tokenize(batch: dict, rows: list[int]) -> dict:
+        texts = [as_text(t, d, f"row {i}") for i, t in zip(rows, batch[d.text_field])]
+        return {"ids": tokenizer(texts)["input_ids"]}
+
+    tokenized = docs.map(tokenize, batched=True, with_indices=True, remove_columns=docs.column_names, desc="tokenizing")
     return PackedSequences(pack(tokenized["ids"], tokenizer.eos_token_id, d.seq_len), seed)

@@ -48,17 +48,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def load_prompts(path: str) -> list[dict]:
+def load_prompts(path: str, where: str = "data.path") -> list[dict]:
+    """Rows of `prompt` (a string) and `answer` (a string or number); a bad file is one ConfigError naming `where`."""
     from datasets.utils.logging import disable_progress_bar
 
     from .data import load_documents
+    from .data_check import check_prompt_file, row_problem, PROMPT_FIELDS
     from .config import DataConfig
 
+    check_prompt_file(path, where)  # the file's head, before datasets reads it (empty, not text, rows without fields)
     disable_progress_bar()  # preflight: a bad input must be the only line on stderr
     ds = load_documents(DataConfig(path=path, text_field="prompt"))
     if "answer" not in ds.column_names:
-        raise ConfigError(f"prompts {path}: needs an `answer` column next to `prompt` (columns: {ds.column_names})")
-    return [{"prompt": r["prompt"], "answer": r["answer"]} for r in ds]
+        raise ConfigError(f"{where} {path}: needs an `answer` column next to `prompt` (columns: {ds.column_names})")
+    rows = [{"prompt": r["prompt"], "answer": r["answer"]} for r in ds]
+    bad = [(i, why) for i, why in enumerate(map(lambda r: row_problem(r, PROMPT_FIELDS), rows)) if why]
+    if bad:  # past the head checked above: every row is in memory now
+        raise ConfigError(f"{where} {path}: row {bad[0][0]} {bad[0][1]} (bad: {len(bad)} of the {len(rows)} rows); "
+                          "fix those rows")
+    return rows
 
 
 def resolve_init(init_from: str | None, recipe: Recipe) -> str | None:
@@ -153,7 +161,7 @@ def preflight(args, world: World):
         rewards = None
     tok = load_tokenizer(recipe.data.tokenizer)
     prompts = load_prompts(recipe.data.path)
-    evals = load_prompts(g.eval_path) if g.eval_path else []
+    evals = load_prompts(g.eval_path, "grpo.eval_path") if g.eval_path else []
     init = resolve_init(args.init_from, recipe)
     hf_config = model_config(args.init_from, init, recipe, tok)
     limit = hf_config.max_position_embeddings

@@ -15,7 +15,8 @@ import torch
 from . import checkpoint, pipeline
 from .balance import ExpertBalance
 from .config import ConfigError, Recipe, load_recipe
-from .data import build_data, data_files, load_tokenizer, looks_local, to_device
+from .data import ReadAhead, build_data, load_tokenizer, to_device
+from .data_check import check_corpus
 from .ds_config import compile_blocker, read_ds_config, resolve_ds_config, zero_stage
 from .metrics import Metrics, print0
 from .model import build_model
@@ -73,11 +74,8 @@ def preflight(args: argparse.Namespace, world: World):
                                 f"{recipe.model.vocab_size}; raise model.vocab_size to at least {len(tok)}")
         except ConfigError as e:
             problems.append(str(e))
-        if looks_local(recipe.data.path):
-            try:
-                data_files(recipe.data.path)
-            except ConfigError as e:
-                problems.append(str(e))
+        batch, dp = (ds["train_batch_size"], pipeline.data_coords(ds, 0, world.size)[1]) if ds else (None, world.size)
+        problems += check_corpus(recipe.data, tok, batch, dp)  # files, rows, encoding, tokens (a bounded sample)
     if ds is not None and recipe.resume:
         found, universal = checkpoint.check_resume(recipe, ds, world.size, world.rank)
         problems += found
@@ -152,11 +150,17 @@ def train(recipe: Recipe, engine, data, tok, world: World) -> list[dict]:
     step, position, tokens = state["step"], state["position"], state["tokens"]
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     tokens_per_step = engine.train_batch_size() * recipe.data.seq_len
-    batches = data.micro_batches(micro, *pipeline.data_coords(engine.config, world.rank, world.size), start=position)
+    batches = ReadAhead(data.micro_batches(micro, *pipeline.data_coords(engine.config, world.rank, world.size),
+                                           start=position), accum)
     train_step = pipeline.train_step if pipeline.is_pipeline(engine.config) else zero_step
-    metrics = Metrics(recipe.run_dir, recipe.train.max_steps, step, engine.monitor)
     device = engine.device
     saver = checkpoint.Cadence(recipe.checkpoint, device)  # also: SIGTERM/SIGINT -> save at the next step, stop
+    if batches.fill():
+        saver.fail()
+    if saver.agree_failed():  # some rank cannot read the first step's data: every rank stops before it
+        saver.close()
+        raise DataStop(batches.error, step + 1)
+    metrics = Metrics(recipe.run_dir, recipe.train.max_steps, step, engine.monitor)
     rows, t0, loss_sum, logged = [], time.time(), torch.zeros((), device=device), step
     while step < recipe.train.max_steps:
         position, loss = train_step(engine, batches, accum, position)
@@ -164,6 +168,8 @@ def train(recipe: Recipe, engine, data, tok, world: World) -> list[dict]:
         step, tokens = step + 1, tokens + tokens_per_step
         balance.after_step()
         metrics.advance()
+        if step < recipe.train.max_steps and batches.fill():  # the next step's data, read before agreeing to go on
+            saver.fail()
         save, stop = saver.due(step, recipe.train.max_steps)
         if step % recipe.train.log_every == 0 or step == recipe.train.max_steps or stop:
             n = step - logged  # steps since the last row (fewer after a resume or a stop)
@@ -179,12 +185,24 @@ def train(recipe: Recipe, engine, data, tok, world: World) -> list[dict]:
             t0, loss_sum, logged = time.time(), torch.zeros((), device=device), step
         if save:
             checkpoint.save(engine, recipe, {"step": step, "position": position, "tokens": tokens}, tok)
-        if stop:
-            print0(f"stopped by signal {saver.signal} after step {step}; saved, continue with --resume")
+        if stop:  # a signal, or a rank that cannot read the next step's data (then saved only with at_end)
+            if not saver.failed:
+                print0(f"stopped by signal {saver.signal} after step {step}; saved, continue with --resume")
             break
     saver.close()
     metrics.close()
+    if saver.failed:
+        raise DataStop(batches.error, step + 1, saved=save)
     return rows
+
+
+class DataStop(Exception):
+    """The run stopped because a rank could not read its data (`error`, None on the ranks that could)."""
+
+    def __init__(self, error: ConfigError | None, step: int, saved: bool = False):
+        self.error, self.step, self.saved = error, step, saved
+        then = f"; saved step {step - 1}, continue with --resume once it is fixed" if saved else ""
+        super().__init__(f"{error} (reading the data of step {step}{then})")
 
 
 def zero_step(engine, batches, accum: int, position: int) -> tuple[int, torch.Tensor]:
@@ -227,8 +245,16 @@ def main(argv=None) -> int:
         report_error(e, world)
         return 2
     init_distributed()
-    engine, data = build(recipe, ds, tok, world)
-    rows = train(recipe, engine, data, tok, world)
+    try:
+        engine, data = build(recipe, ds, tok, world)  # map-style data is read and tokenized here, on every rank
+        rows = train(recipe, engine, data, tok, world)
+    except ConfigError as e:  # bad data past preflight's sample, found on every rank
+        report_error(e, world)
+        return 2
+    except DataStop as e:  # bad data found by some ranks while streaming; each of them says what it could not read
+        if e.error is not None:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
     if rows:  # none when resumed at max_steps
         print0(f"done: {rows[-1]['step']} steps, final loss {rows[-1]['loss']:.4f}, run_dir {recipe.run_dir}")
     return 0

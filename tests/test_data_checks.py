@@ -1,0 +1,257 @@
+"""Bad data gets one clear line before any rank works (issue 17): bin/pretrain.py's data and bin/grpo.py's prompt
+files are checked in preflight (engine/data_check.py); what only shows later (a streamed row past the checked
+head) stops every rank at a step boundary with one line naming the file and the step.
+
+Most cases call the entry points' main() in this process as the launcher's rank 0 would run it (the same code as
+`python bin/pretrain.py`, without paying the imports again); the CLI tests run the real scripts."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import DEEPSPEED, ROOT, ZERO3, env, free_port, read_metrics, write_ds
+
+from engine.config import RECIPES
+
+ZERO3_GRPO = ROOT / "ds_configs" / "zero3_grpo.json"
+SMALL_SAMPLE = ROOT / "tests" / "scripts" / "pretrain_small_sample.py"
+GRPO_TINY = (RECIPES / "grpo_tiny.yaml").read_text()
+TINY = (RECIPES / "tiny.yaml").read_text()
+STORY = "Gus went to the harbor with 9 pens. Ada gave Gus 17 more. Now Gus has 26 pens."
+
+
+def jsonl(path, rows) -> str:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def as_rank0(monkeypatch, world: int = 1):
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "LOCAL_SIZE": str(world)}.items():
+        monkeypatch.setenv(k, v)
+
+
+def refused(main, argv, capfd, run) -> str:
+    """main(argv) exits 2 with one `error:` line and no traceback, and writes nothing; returns that line."""
+    rc = main([*map(str, argv), "--run_dir", str(run)])
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), (rc, err[-3000:])
+    assert "Traceback" not in err
+    assert not run.exists()  # nothing started, nothing written
+    return lines[0]
+
+
+def pretrain_refuses(tmp_path, monkeypatch, capfd, data, world: int = 1, recipe: str | None = None, ds=ZERO3) -> str:
+    from engine.pretrain import main
+
+    as_rank0(monkeypatch, world)
+    argv = ["--deepspeed_config", ds, "--data", data, "--max_steps", "1"]
+    if recipe is not None:
+        (tmp_path / "recipe.yaml").write_text(recipe)
+        argv += ["--config", tmp_path / "recipe.yaml"]
+    return refused(main, argv, capfd, tmp_path / "run")
+
+
+# The issue's table, row by row: each names the file (or the hub name) and a fix.
+def test_empty_txt(tmp_path, monkeypatch, capfd):
+    (tmp_path / "empty.txt").write_text("")
+    line = pretrain_refuses(tmp_path, monkeypatch, capfd, tmp_path / "empty.txt")
+    assert f"data.path {tmp_path}/empty.txt: the file is empty (0 bytes); put the data in it" in line
+
+
+def test_one_line_txt_says_how_many_tokens_it_has_and_one_step_needs(tmp_path, monkeypatch, capfd):
+    (tmp_path / "one.txt").write_text("one line of text\n")
+    line = pretrain_refuses(tmp_path, monkeypatch, capfd, tmp_path / "one.txt")
+    assert f"data.path {tmp_path}/one.txt: 15 tokens, 0 sequences of data.seq_len 128; one step needs 1024 tokens " \
+           "(8 sequences: the DS config's train_batch_size); add text, or lower data.seq_len" in line
+
+
+def test_jsonl_row_without_text_names_the_first_bad_row_and_counts_them(tmp_path, monkeypatch, capfd):
+    f = jsonl(tmp_path / "c.jsonl", [{"text": STORY}, {"body": STORY}, {"text": None}, {"text": 5}, {"text": STORY}])
+    line = pretrain_refuses(tmp_path, monkeypatch, capfd, f)
+    assert f"data.path {f}: line 2 has no 'text' (keys: ['body']) (bad: 3 of the 5 lines); fix those rows or " \
+           "set data.text_field" in line
+
+
+def test_random_bytes_are_not_text(tmp_path, monkeypatch, capfd):
+    (tmp_path / "r.txt").write_bytes(bytes([0x8a, 0xff]) + os.urandom(20_000))
+    line = pretrain_refuses(tmp_path, monkeypatch, capfd, tmp_path / "r.txt")
+    assert f"data.path {tmp_path}/r.txt: not UTF-8 text (byte 0x8a at offset 0); convert it to UTF-8" in line
+
+
+def test_unreachable_hub_names_the_fix(tmp_path, monkeypatch, capfd):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # no network: nothing listens there
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    line = pretrain_refuses(tmp_path, monkeypatch, capfd, "roneneldan/TinyStories")
+    assert "data.path roneneldan/TinyStories: not a local file or folder, and the Hugging Face Hub " \
+           "(http://127.0.0.1:9) cannot be reached; give a local path" in line
+    assert "set HF_HUB_OFFLINE=1 to use the cache" in line
+
+
+# Beyond the table.
+def test_the_token_count_is_for_this_world_size(tmp_path, monkeypatch, capfd):
+    """1100 tokens are a step on 1 rank (8 x 128 = 1024) but not on 2 (16 x 128)."""
+    from engine.pretrain import parse_args, preflight
+    from engine.parallel import World
+
+    f = jsonl(tmp_path / "c.jsonl", [{"text": STORY}] * 50)
+    preflight(parse_args(["--deepspeed_config", str(ZERO3), "--data", f]), World(0, 1, 1))  # passes
+    line = pretrain_refuses(tmp_path, monkeypatch, capfd, f, world=2)
+    assert "1100 tokens, 8 sequences of data.seq_len 128; one step needs 2048 tokens (16 sequences" in line
+
+
+def test_a_bad_file_in_a_folder_is_named_with_the_other_problems(tmp_path, monkeypatch, capfd):
+    (tmp_path / "docs").mkdir()
+    jsonl(tmp_path / "docs" / "a.jsonl", [{"text": STORY}] * 100)
+    jsonl(tmp_path / "docs" / "b.jsonl", [{"text": STORY}, '{"text": "cut', {"text": STORY}])
+    jsonl(tmp_path / "docs" / "c.jsonl", [{"text": STORY, "source": "web"}] * 100)  # datasets would fail on it
+    line = pretrain_refuses(tmp_path, monkeypatch, capfd, tmp_path / "docs",
+                            ds=write_ds(tmp_path / "ds.json", train_batch_size=10))
+    assert "train_batch_size (10) != " in line  # the DS config's problem, in the same line
+    assert f"data.path {tmp_path}/docs: {tmp_path}/docs/b.jsonl: line 2 is not valid JSON (" in line
+    assert "(bad: 1 of the 3 lines)" in line
+    assert f"; {tmp_path}/docs/c.jsonl has the column(s) ['source'] that the first file {tmp_path}/docs/a.jsonl has " \
+           "not (1 such files); datasets reads every file with the first one's columns" in line
+
+
+def test_parquet_without_string_text(tmp_path, monkeypatch, capfd):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": [STORY, None, STORY]}), tmp_path / "nulls.parquet")
+    line = pretrain_refuses(tmp_path, monkeypatch, capfd, tmp_path / "nulls.parquet")
+    assert f"data.path {tmp_path}/nulls.parquet: 1 rows have no 'text' (null); fix those rows" in line
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "ints.parquet")
+    line = pretrain_refuses(tmp_path, monkeypatch, capfd, tmp_path / "ints.parquet")
+    assert "column 'text' holds int64, not strings" in line
+
+
+def test_streaming_one_file_with_fewer_rows_than_ranks_is_refused(tmp_path, monkeypatch, capfd):
+    f = jsonl(tmp_path / "c.jsonl", [{"text": STORY * 40}])
+    recipe = TINY.replace("seq_len: 128", "seq_len: 128\n  streaming: true")
+    assert recipe != TINY
+    line = pretrain_refuses(tmp_path, monkeypatch, capfd, f, world=2, recipe=recipe)
+    assert f"data.path {f}: 1 rows in 1 file(s); streaming on 2 data-parallel ranks splits rows" in line
+
+
+def test_streaming_one_file_on_two_ranks_splits_its_rows(tmp_path):
+    """Fewer files than ranks: each rank reads every other row (datasets' split_dataset_by_node), disjoint."""
+    from engine.config import DataConfig
+    from engine.data import StreamedSequences, load_documents, load_tokenizer
+
+    f = jsonl(tmp_path / "c.jsonl", [{"text": f"{STORY} {i}"} for i in range(10)])
+    d = DataConfig(path=f, streaming=True)
+    shares = [[r["text"] for r in StreamedSequences(load_documents(d), load_tokenizer(d.tokenizer), d, rank, 2, 0)
+               .rows(0)] for rank in (0, 1)]
+    assert len(shares[0]) == len(shares[1]) == 5 and not set(shares[0]) & set(shares[1])
+
+
+def test_map_style_rows_past_the_checked_head_are_named_when_tokenized(tmp_path):
+    """Map-style data is read whole by every rank before the model is built: a row without text past preflight's
+    sample is one ConfigError naming the row (main() reports it in one line, exit 2), not the tokenizer's TypeError."""
+    from engine.config import ConfigError, DataConfig
+    from engine.data import build_data, load_tokenizer
+
+    rows = [{"text": f"{STORY} {i}"} for i in range(40)]
+    rows[33] = {"text": None}
+    d = DataConfig(path=jsonl(tmp_path / "c.jsonl", rows), seq_len=32)
+    with pytest.raises(ConfigError, match=r"data.path .*c.jsonl: row 33 has text = None, not a string; fix that row"):
+        build_data(d, load_tokenizer(d.tokenizer), 0, 1, 0)
+
+
+# GRPO prompt files: data.path and grpo.eval_path.
+@pytest.mark.parametrize("case, expect", [
+    ("empty", "data.path {f}: the file is empty (0 bytes)"),
+    ("no_answer", "data.path {f}: line 2 has no 'answer' (keys: ['prompt']) (bad: 1 of the 2 lines); fix those"),
+    ("no_prompt", "data.path {f}: line 1 has no 'prompt' (keys: ['answer', 'question'])"),
+    ("list_prompt", "data.path {f}: line 2 has 'prompt' = [\"Q: 1 + 1\"], a list, not a string"),
+    ("dict_answer", "data.path {f}: line 1 has 'answer' = {{\"value\": 2}}, a dict, not a string or number"),
+    ("empty_eval", "grpo.eval_path {f}: the file is empty (0 bytes); put the data in it or point grpo.eval_path"),
+    ("eval_no_answer", "grpo.eval_path {f}: line 1 has no 'answer'"),
+])
+def test_bad_prompt_files_are_one_line(tmp_path, monkeypatch, capfd, case, expect):
+    from engine.grpo import main
+
+    good = {"prompt": "Q: 1 + 1 = ? A:", "answer": "2"}
+    f = {"empty": lambda p: jsonl(p, []),
+         "no_answer": lambda p: jsonl(p, [good, {"prompt": "Q: 2 + 2 = ? A:"}]),
+         "no_prompt": lambda p: jsonl(p, [{"question": "Q: 2 + 2 = ? A:", "answer": "4"}]),
+         "list_prompt": lambda p: jsonl(p, [good, {"prompt": ["Q: 1 + 1"], "answer": "2"}]),
+         "dict_answer": lambda p: jsonl(p, [{"prompt": "Q: 1 + 1 = ? A:", "answer": {"value": 2}}]),
+         "empty_eval": lambda p: jsonl(p, []),
+         "eval_no_answer": lambda p: jsonl(p, [{"prompt": "Q: 1 + 1 = ? A:"}])}[case](tmp_path / "p.jsonl")
+    argv = ["--deepspeed_config", ZERO3_GRPO]
+    if "eval" in case:
+        (tmp_path / "r.yaml").write_text(GRPO_TINY.replace("engine/assets/arith_eval.jsonl", f))
+        argv += ["--config", tmp_path / "r.yaml"]
+    else:
+        argv += ["--data", f]
+    as_rank0(monkeypatch)
+    monkeypatch.chdir(ROOT)  # the shipped recipe's relative paths
+    assert expect.format(f=f) in refused(main, argv, capfd, tmp_path / "run")
+
+
+def test_prompts_past_the_checked_head_are_checked_once_loaded(tmp_path, monkeypatch):
+    """A prompts file bigger than the preflight sample: every row is checked after loading; numbers are answers."""
+    from engine import data_check
+    from engine.config import ConfigError
+    from engine.grpo import load_prompts
+
+    monkeypatch.setattr(data_check, "SAMPLE_BYTES", 256)
+    rows = [{"prompt": f"Q: {i} + 1 = ? A:", "answer": i + 1} for i in range(40)]
+    assert load_prompts(jsonl(tmp_path / "ok.jsonl", rows))[5] == {"prompt": "Q: 5 + 1 = ? A:", "answer": 6}
+    rows[30] = {"prompt": None, "answer": 1}
+    with pytest.raises(ConfigError, match=r"data.path .*bad.jsonl: row 30 has no 'prompt' .* \(bad: 1 of the 40 rows\)"):
+        load_prompts(jsonl(tmp_path / "bad.jsonl", rows))
+
+
+# The real entry points, as the launcher starts rank 0 (a fresh process: nothing cached, no import-time state).
+def cli(tmp_path, script, *args, **extra) -> subprocess.CompletedProcess:
+    e = env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", **extra)
+    cmd = [sys.executable, str(ROOT / "bin" / script), *map(str, args), "--run_dir", str(tmp_path / "run")]
+    return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.parametrize("case", ["pretrain_hub_offline_not_cached", "grpo_empty_prompts"])
+def test_cli_bad_data_is_one_line_and_exit_2(tmp_path, case):
+    if case == "pretrain_hub_offline_not_cached":
+        p = cli(tmp_path, "pretrain.py", "--deepspeed_config", ZERO3, "--data", "roneneldan/TinyStories",
+                HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
+        expect = ("data.path roneneldan/TinyStories: cannot find it in the cache (HF_HUB_OFFLINE is set) "
+                  "(ConnectionError: ")
+    else:
+        f = jsonl(tmp_path / "p.jsonl", [])
+        p = cli(tmp_path, "grpo.py", "--deepspeed_config", ZERO3_GRPO, "--data", f)
+        expect = f"data.path {f}: the file is empty"
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2 and lines and lines[0].startswith("error: ") and expect in lines[0], p.stderr[-3000:]
+    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_bad_streamed_row_on_one_of_two_ranks_stops_both_at_a_step_with_a_checkpoint(tmp_path):
+    """Two ranks through the real launcher, streaming one file each; one file has a row without text past the
+    checked head. Both ranks stop at the same step boundary (no hang), the checkpoint of the last step is saved,
+    the rank that read the row prints the one line, and the launcher exits non-zero."""
+    (tmp_path / "docs").mkdir()
+    good = [{"text": f"{STORY} {i}"} for i in range(60)]
+    jsonl(tmp_path / "docs" / "a.jsonl", good)
+    jsonl(tmp_path / "docs" / "b.jsonl", good[:30] + [{"text": None}] + good[30:])  # the same columns: a null
+    (tmp_path / "recipe.yaml").write_text(TINY.replace("seq_len: 128", "seq_len: 32\n  streaming: true"))
+    e = env(SAMPLE_BYTES="1024")
+    cmd = [DEEPSPEED, "--master_port", str(free_port()), "--num_gpus", "2", str(SMALL_SAMPLE),
+           "--deepspeed_config", str(ZERO3), "--config", str(tmp_path / "recipe.yaml"), "--data", str(tmp_path / "docs"),
+           "--max_steps", "100", "--run_dir", str(tmp_path / "run")]
+    p = subprocess.run(cmd, cwd=tmp_path, env=e, capture_output=True, text=True, timeout=600)
+    out = p.stdout + p.stderr
+    errors = [line for line in out.splitlines() if "error: " in line]
+    assert p.returncode != 0 and len(errors) == 1, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    step = int((tmp_path / "run" / "checkpoints" / "latest").read_text().removeprefix("step_"))
+    assert 0 < step < 100 and read_metrics(tmp_path / "run")[-1]["step"] == step
+    assert f"error: data.path {tmp_path}/docs: the row {{\"text\": null}} (" in errors[0], errors[0]
+    assert f"(reading the data of step {step + 1}; saved step {step}, continue with --resume" in errors[0]
