@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from .export import (AUTOEP_NAMES, DTYPES, ExportError, _check_against_config, _hf_keys, _load,
-                     _read_state, recorded_hf_config)
+from .export_read import (AUTOEP_NAMES, DTYPES, ExportError, _check_against_config, _hf_keys, _load,
+                          _read_state, recorded_hf_config)
 from .pipeline import hf_key
 
 EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
