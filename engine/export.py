@@ -173,7 +173,7 @@ class _ModelStates:
     shapes: dict     # rank -> [name -> full shape] per ZeRO sub-group, in flat order
     autoep: dict     # rank -> its ds_autoep_layers
     buffers: dict    # engine name -> tensor, from the first rank
-    shared: dict     # engine names of parameters shared with another (tied): stored once, not exported
+    shared: dict     # DeepSpeed's shared_params (tied parameters): no fragments of their own are mapped
 
 
 def _read_model_states(ranks: list[_Rank]) -> _ModelStates:
@@ -247,7 +247,7 @@ class _FragmentMap:
         self.shapes: dict[str, tuple] = {}
         self.seen: dict[tuple, set] = {}     # (engine name, ep_rank) -> partition ranks seen
         self.counts: dict[tuple, int] = {}   # (engine name, ep_rank) -> partition count
-        self.experts_seen: dict[tuple, dict[int, int]] = {}  # (HF key, kind) -> global expert -> ep_rank it is taken from
+        self.experts_seen: dict[tuple, dict[int, int]] = {}  # (HF key, kind) -> global expert -> ep_rank taken from
 
     def add_rank(self, r: _Rank, groups: list[dict], optim: dict) -> None:
         if len(groups) != len(optim["sizes"]):
