@@ -14,6 +14,9 @@
 Bad input (hostfile, .deepspeed_env, arguments): one line on stderr, exit 2, before anything is contacted.
 A failing cluster: one line on stderr per failure, exit 1. The ranks of the all-reduce end themselves after
 --timeout seconds, so a blocked port fails the check instead of hanging it.
+
+A tool on top of the runtime: it uses engine/parallel.py for its ranks; nothing in the runtime imports it (the peer
+watchdog every training rank starts is engine/watchdog.py).
 """
 from __future__ import annotations
 
@@ -420,147 +423,6 @@ def worker_main(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------------------------- watchdog
-
-PEER_TIMEOUT_ENV = "MOE_PEER_TIMEOUT"
-DEFAULT_PEER_TIMEOUT = 30.0
-
-
-class PeerWatchdog:
-    """Ends this rank within about `timeout` seconds of another rank dying or its node vanishing.
-
-    Why: a killed rank closes its sockets, so the survivors' next collective fails at once (measured: the
-    job exits ~3 s after a kill -9). A node that powers off, panics or drops off the network closes
-    nothing; the survivors then wait inside a collective until its timeout, and the collectives that hang
-    run on groups DeepSpeed creates itself (ZeRO-3 / expert-data-parallel groups, torch.distributed
-    new_group without a timeout), which take torch's default: 30 min on gloo, 10 min on NCCL, whatever
-    deepspeed.init_distributed(timeout=...) or DEEPSPEED_TIMEOUT says. Shortening every collective's timeout
-    would also kill healthy jobs whose ranks wait on one another legitimately (a slow checkpoint write).
-
-    How: every rank bumps a counter in the job's rendezvous store (rank 0's TCPStore at MASTER_ADDR:
-    MASTER_PORT, through its own client connection) every `interval` seconds from a thread, and reads
-    everyone's counters. A counter that has not moved for `timeout` seconds, or a store that stops
-    answering (rank 0's node is gone), ends this rank with one line on stderr and exit 1; its launcher then
-    ends the node's other ranks and pdsh returns. The thread runs while the main thread waits in a
-    collective or writes a checkpoint, so a busy rank is never taken for a dead one. At a clean exit each
-    rank marks itself done, and rank 0, which serves the store, waits for the others' marks before it goes.
-    """
-
-    def __init__(self, timeout: float = DEFAULT_PEER_TIMEOUT, interval: float | None = None):
-        from datetime import timedelta
-
-        import torch.distributed as dist
-
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.timeout = float(timeout)
-        self.interval = interval or max(0.5, min(5.0, self.timeout / 6))
-        self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                   timeout=timedelta(seconds=self.timeout), wait_for_workers=False)
-        p = "moe_engine_watchdog"
-        self.hb = [f"{p}/hb/{r}" for r in range(self.world)]
-        self.done = [f"{p}/done/{r}" for r in range(self.world)]
-        self.stopping = threading.Event()
-        self.crashed = False
-        self.store.add(self.done[self.rank], 0)
-        self.store.add(self.hb[self.rank], 1)
-        self.last = {r: (None, time.monotonic()) for r in range(self.world)}
-        self.thread = threading.Thread(target=self._run, name="peer-watchdog", daemon=True)
-        self.thread.start()
-        hook = sys.excepthook
-
-        def excepthook(*exc):
-            self.crashed = True  # an unhandled exception: leave at once, don't wait for anyone
-            hook(*exc)
-
-        sys.excepthook = excepthook
-        import atexit
-
-        atexit.register(self.close)
-
-    def _read(self) -> tuple[list[int], list[int]]:
-        vals = self.store.multi_get(self.hb + self.done)
-        nums = [int(v) for v in vals]
-        return nums[: self.world], nums[self.world:]
-
-    def _stale(self, hb: list[int], done: list[int]) -> list[int]:
-        now, out = time.monotonic(), []
-        for r in range(self.world):
-            seen, since = self.last[r]
-            if hb[r] != seen:
-                self.last[r] = (hb[r], now)
-            elif r != self.rank and not done[r] and now - since > self.timeout:
-                out.append(r)
-        return out
-
-    def _die(self, why: str) -> None:
-        if self.stopping.is_set():
-            return
-        print(f"[rank {self.rank}] {why}; ending this rank (docs/multinode.md, 'When a node dies')",
-              file=sys.stderr, flush=True)
-        os._exit(1)
-
-    def _run(self) -> None:
-        from datetime import timedelta
-
-        try:  # every rank starts its watchdog right after the rendezvous
-            self.store.wait(self.hb, timedelta(seconds=self.timeout))
-        except Exception:
-            return self._die(f"not every rank started its peer watchdog within {self.timeout:g} s")
-        while not self.stopping.wait(self.interval):
-            try:
-                self.store.add(self.hb[self.rank], 1)
-                hb, done = self._read()
-            except Exception as e:
-                return self._die(f"the rendezvous store at {os.environ['MASTER_ADDR']}:"
-                                 f"{os.environ['MASTER_PORT']} (rank 0) stopped answering "
-                                 f"({str(e).splitlines()[0][:120]})")
-            stale = self._stale(hb, done)
-            if stale:
-                return self._die(f"no heartbeat from rank(s) {', '.join(map(str, stale))} for over "
-                                 f"{self.timeout:g} s: dead, or its node is unreachable")
-
-    def close(self) -> None:
-        if self.stopping.is_set():
-            return
-        self.stopping.set()
-        self.thread.join()
-        if self.crashed:
-            return
-        try:
-            self.store.add(self.done[self.rank], 1)
-            if self.rank != 0:
-                return
-            while True:  # rank 0 serves the store: keep it up until every other rank has finished
-                hb, done = self._read()
-                if all(done) or self._stale(hb, done):
-                    return
-                time.sleep(0.2)
-        except Exception:
-            pass
-
-
-_watchdog: PeerWatchdog | None = None
-
-
-def start_peer_watchdog(timeout: float | None = None) -> PeerWatchdog | None:
-    """Start the peer watchdog once per process, after torch.distributed is initialized. Timeout in seconds:
-    the argument, else $MOE_PEER_TIMEOUT, else 30; 0 turns it off. A world of one needs none."""
-    global _watchdog
-    import torch.distributed as dist
-
-    if timeout is None:
-        raw = os.environ.get(PEER_TIMEOUT_ENV, str(DEFAULT_PEER_TIMEOUT))
-        try:
-            timeout = float(raw)
-        except ValueError:
-            raise InputError(f"{PEER_TIMEOUT_ENV}={raw!r}: expected seconds (a number; 0 turns the peer "
-                             "watchdog off)") from None
-    if (_watchdog is None and timeout > 0 and dist.is_initialized() and dist.get_world_size() > 1
-            and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):  # the env:// rendezvous store
-        _watchdog = PeerWatchdog(timeout)
-    return _watchdog
-
-
 # ---------------------------------------------------------------------------------------------- main
 
 
@@ -602,32 +464,59 @@ def main(argv=None) -> int:
     if args.worker:
         return worker_main(args)
     try:
-        if not args.hostfile:
-            raise InputError("--hostfile is required (e.g. --hostfile hostfiles/do_2node)")
-        for name in ("size_mb", "iters", "timeout", "connect_timeout"):
-            if getattr(args, name) <= 0:
-                raise InputError(f"--{name} must be > 0, got {getattr(args, name)}")
-        if args.master_port is not None and not 0 < args.master_port < 65536:
-            raise InputError(f"--master_port {args.master_port} is not a port number")
-        hostfile = Path(args.hostfile).resolve()
-        hosts = parse_hostfile(args.hostfile)
-        cwd = Path.cwd()
-        exports = remote_exports(cwd)
+        hosts, exports = read_inputs(args)
     except InputError as e:
         fail(str(e))
         return 2
+    missing = missing_launcher_tool(hosts)
+    if missing:
+        fail(missing)
+        return 1
+    master_addr, master_port = master_address(args, hosts)
+    notes = launch_notes(args, hosts, master_addr)
+    report = probe_hosts(args, hosts, exports, master_addr, master_port)
+    report.notes[:0] = notes
+    allreduce = None
+    if not args.no_allreduce:
+        allreduce = check_allreduce(args, hosts, master_addr, master_port, report)
+    print_report(report, allreduce)
+    return 1 if report.failures else 0
+
+
+def read_inputs(args: argparse.Namespace) -> tuple[list[Host], dict[str, str]]:
+    """The arguments, the hostfile and the .deepspeed_env files, checked before anything is contacted."""
+    if not args.hostfile:
+        raise InputError("--hostfile is required (e.g. --hostfile hostfiles/do_2node)")
+    for name in ("size_mb", "iters", "timeout", "connect_timeout"):
+        if getattr(args, name) <= 0:
+            raise InputError(f"--{name} must be > 0, got {getattr(args, name)}")
+    if args.master_port is not None and not 0 < args.master_port < 65536:
+        raise InputError(f"--master_port {args.master_port} is not a port number")
+    hosts = parse_hostfile(args.hostfile)
+    return hosts, remote_exports(Path.cwd())
+
+
+def missing_launcher_tool(hosts: list[Host]) -> str | None:
+    """The failure line when ssh or pdsh, which the launcher needs for several hosts, is not installed."""
     for tool in ("ssh", "pdsh") if len(hosts) > 1 else ():
         if shutil.which(tool) is None:
-            fail(f"{tool} is not installed on this machine; the deepspeed launcher needs it for several "
-                 f"hosts (apt-get install -y {'openssh-client' if tool == 'ssh' else 'pdsh'})")
-            return 1
-    single = len(hosts) == 1
-    if single:
+            return (f"{tool} is not installed on this machine; the deepspeed launcher needs it for several "
+                    f"hosts (apt-get install -y {'openssh-client' if tool == 'ssh' else 'pdsh'})")
+    return None
+
+
+def master_address(args: argparse.Namespace, hosts: list[Host]) -> tuple[str, int]:
+    """Rank 0's address and port: the arguments, else localhost (one host) or the first host, and a free port."""
+    if len(hosts) == 1:
         master_addr = args.master_addr or "127.0.0.1"
     else:
         master_addr = args.master_addr or hosts[0].name
-    master_port = args.master_port or free_port()
-    notes = []
+    return master_addr, args.master_port or free_port()
+
+
+def launch_notes(args: argparse.Namespace, hosts: list[Host], master_addr: str) -> list[str]:
+    """What the launcher will do that the user may not expect: local ranks, the master address, ssh keepalives."""
+    single, notes = len(hosts) == 1, []
     if single and hosts[0].name not in LOCAL_NAMES:
         notes.append(f"one host: deepspeed starts every rank on this machine, without SSH, whatever the "
                      f"hostfile calls it ({hosts[0].name})")
@@ -635,28 +524,38 @@ def main(argv=None) -> int:
         notes.append(f"--master_addr not given: using the first host, {master_addr}. Pass it to deepspeed "
                      "too: left out, deepspeed takes the first address of `hostname -I` there, which on a "
                      "droplet is the public one")
-
     if not single and ssh_server_alive(hosts[-1].name, args.ssh_port) == 0:
         notes.append(f"ssh has no ServerAliveInterval for {hosts[-1].name}: if a node dies without closing its "
                      "connection, pdsh (and so the job) waits for it; add `ServerAliveInterval 5` and "
                      "`ServerAliveCountMax 3` for your nodes in ~/.ssh/config (docs/multinode.md)")
+    return notes
+
+
+def probe_hosts(args: argparse.Namespace, hosts: list[Host], exports: dict[str, str], master_addr: str,
+                master_port: int) -> Report:
+    """Every host probed at once (node 0 also checks the master address and port), then judged together."""
+    cwd, single = Path.cwd(), len(hosts) == 1
     with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
         futures = [pool.submit(probe_host, h, cwd, exports, single, (master_addr, master_port) if i == 0 else None,
                                args.ssh_port, args.connect_timeout) for i, h in enumerate(hosts)]
         probes = [f.result() for f in futures]
-    report = judge(hosts, probes, master_addr, master_port)
-    report.notes[:0] = notes
+    return judge(hosts, probes, master_addr, master_port)
 
-    allreduce = None
-    if not args.no_allreduce:
-        if report.failures:
-            report.notes.append("all-reduce skipped: fix the failures above first")
-        else:
-            allreduce, err = run_allreduce(hostfile, hosts, master_addr, master_port, args.size_mb, args.iters,
-                                           args.timeout, args.ssh_port)
-            if err:
-                report.failures.append(err)
 
+def check_allreduce(args: argparse.Namespace, hosts: list[Host], master_addr: str, master_port: int,
+                    report: Report) -> dict | None:
+    """The all-reduce over every rank, unless the hosts already failed; its failure goes into `report`."""
+    if report.failures:
+        report.notes.append("all-reduce skipped: fix the failures above first")
+        return None
+    allreduce, err = run_allreduce(Path(args.hostfile).resolve(), hosts, master_addr, master_port, args.size_mb,
+                                   args.iters, args.timeout, args.ssh_port)
+    if err:
+        report.failures.append(err)
+    return allreduce
+
+
+def print_report(report: Report, allreduce: dict | None) -> None:
     print_table(report.rows)
     if allreduce:
         a = allreduce
@@ -670,4 +569,3 @@ def main(argv=None) -> int:
         fail(f)
     print("cluster OK" if not report.failures else f"cluster NOT OK: {len(report.failures)} failure(s)",
           flush=True)
-    return 1 if report.failures else 0

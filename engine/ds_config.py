@@ -19,6 +19,11 @@ from pathlib import Path
 
 from .config import ConfigError, Recipe
 
+# Pipeline mode (engine/pipeline.py) names its stages' MoE blocks `<i>.layer.mlp`, so AutoEP finds them only with
+# this expert_parallel.moe_layer_pattern; a pipeline section without "partition" balances decoder layers.
+MOE_LAYER_PATTERN = r"\d+\.layer\.mlp"
+PARTITION = "type:DecoderLayerPipe"
+
 
 def read_ds_config(path: str | Path) -> dict:
     path = Path(path)
@@ -50,13 +55,24 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, ranks_per_node
     cfg = copy.deepcopy(cfg)
     p: list[str] = []
     stage = zero_stage(cfg)
-    pipe = "pipeline" in cfg
-    if not pipe and stage not in (1, 2, 3):
+    if "pipeline" not in cfg and stage not in (1, 2, 3):
         p.append(f"zero_optimization.stage ({stage}) must be 1, 2 or 3")
     stages = 1
-    if pipe:
+    if "pipeline" in cfg:
         stages, found = check_pipeline(cfg, recipe, stage)
         p += found
+    p += resolve_optimizer(cfg, recipe)
+    p += resolve_expert_parallel(cfg, recipe, world_size, stages, ranks_per_node, device)
+    p += resolve_compile(cfg, recipe)
+    p += resolve_batch_size(cfg, world_size, stages)
+    if p:
+        raise ConfigError(f"{where}: " + "; ".join(p))
+    return cfg
+
+
+def resolve_optimizer(cfg: dict, recipe: Recipe) -> list[str]:
+    """The recipe drives the LR schedule; the file's optimizer keeps its lr, "auto" taking the recipe's train.lr."""
+    p = []
     if "scheduler" in cfg:
         p.append("scheduler: remove it; the recipe's train.warmup_steps/min_lr_ratio/max_steps drive the LR "
                  "schedule (the optimizer's lr stays in this file)")
@@ -64,71 +80,80 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, ranks_per_node
         p.append('optimizer: missing; add e.g. {"type": "AdamW", "params": {"lr": "auto", "weight_decay": 0.1}}')
     elif (cfg["optimizer"].get("params") or {}).get("lr", "auto") == "auto":
         cfg["optimizer"].setdefault("params", {})["lr"] = recipe.train.lr
+    return p
 
+
+def resolve_expert_parallel(cfg: dict, recipe: Recipe, world_size: int, stages: int, ranks_per_node: int,
+                            device: str) -> list[str]:
+    """The expert_parallel section against the model and the ranks of a stage; fills autoep_size and combine_impl."""
     ep = cfg.get("expert_parallel")
-    ep_size = 1
-    if ep and ep.get("enabled"):
-        size = ep.get("autoep_size", 1)
-        n = recipe.model.num_experts
-        # Expert groups live inside one pipeline stage (DeepSpeed builds them per stage): with a pipeline the
-        # experts are spread over the ranks of a stage, never across stages.
-        group = world_size // stages if world_size % stages == 0 else world_size
-        where_ep = (f"the ranks per pipeline stage ({world_size} ranks / {stages} stages = {group}; experts cannot "
-                    "span pipeline stages)" if pipe else f"the world size ({world_size})")
-        if size == "auto":
-            size = auto_autoep_size(n, group, ranks_per_node)
-            ep["autoep_size"] = size
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            p.append(f'expert_parallel.autoep_size ({size!r}) must be a positive integer or "auto"')
-        else:
-            if n % size:
-                p.append(f"expert_parallel.autoep_size ({size}) must divide model.num_experts ({n}); "
-                         f'use one of {[d for d in range(1, n + 1) if n % d == 0 and group % d == 0]} or "auto"')
-            if group % size:
-                p.append(f"expert_parallel.autoep_size ({size}) must divide {where_ep}; use \"auto\" to derive it")
-            ep_size = size
-        preset = ep.get("preset_model")
-        if preset is not None and preset != recipe.model.arch:
-            p.append(f"expert_parallel.preset_model ({preset!r}) does not match model.arch "
-                     f"({recipe.model.arch!r}); set it to {recipe.model.arch!r} or remove it")
-        if ep.get("combine_impl", "auto") == "auto":
-            # The default weighted sum materialises [tokens x top_k x hidden] in fp32 (zeros, index_put, mul, sum);
-            # the Triton kernel does it in one pass: +14% tokens/s on one H200 (docs/benchmarks.md). CUDA only.
-            ep["combine_impl"] = "fused_weighted_sum" if device == "cuda" else "weighted_sum"
+    if not (ep and ep.get("enabled")):
+        return []
+    p, pipe = [], "pipeline" in cfg
+    size = ep.get("autoep_size", 1)
+    n = recipe.model.num_experts
+    # Expert groups live inside one pipeline stage (DeepSpeed builds them per stage): with a pipeline the
+    # experts are spread over the ranks of a stage, never across stages.
+    group = world_size // stages if world_size % stages == 0 else world_size
+    where_ep = (f"the ranks per pipeline stage ({world_size} ranks / {stages} stages = {group}; experts cannot "
+                "span pipeline stages)" if pipe else f"the world size ({world_size})")
+    if size == "auto":
+        size = auto_autoep_size(n, group, ranks_per_node)
+        ep["autoep_size"] = size
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        p.append(f'expert_parallel.autoep_size ({size!r}) must be a positive integer or "auto"')
+    else:
+        if n % size:
+            p.append(f"expert_parallel.autoep_size ({size}) must divide model.num_experts ({n}); "
+                     f'use one of {[d for d in range(1, n + 1) if n % d == 0 and group % d == 0]} or "auto"')
+        if group % size:
+            p.append(f"expert_parallel.autoep_size ({size}) must divide {where_ep}; use \"auto\" to derive it")
+    preset = ep.get("preset_model")
+    if preset is not None and preset != recipe.model.arch:
+        p.append(f"expert_parallel.preset_model ({preset!r}) does not match model.arch "
+                 f"({recipe.model.arch!r}); set it to {recipe.model.arch!r} or remove it")
+    if ep.get("combine_impl", "auto") == "auto":
+        # The default weighted sum materialises [tokens x top_k x hidden] in fp32 (zeros, index_put, mul, sum);
+        # the Triton kernel does it in one pass: +14% tokens/s on one H200 (docs/benchmarks.md). CUDA only.
+        ep["combine_impl"] = "fused_weighted_sum" if device == "cuda" else "weighted_sum"
+    return p
 
+
+def resolve_compile(cfg: dict, recipe: Recipe) -> list[str]:
+    """train.compile against what DeepSpeed can compile; compiles around the AutoEP blocks unless told not to."""
     why_not = compile_blocker(cfg)
-    if recipe.train.compile is True and why_not:
-        p.append(f"train.compile: true needs {why_not}; use ds_configs/zero2.json or set train.compile to auto")
     if recipe.train.compile is not False and not why_not:
         cfg.setdefault("compile", {}).setdefault("autoep_non_moe", True)
+    if recipe.train.compile is True and why_not:
+        return [f"train.compile: true needs {why_not}; use ds_configs/zero2.json or set train.compile to auto"]
+    return []
 
-    # Batch sizes: DeepSpeed needs train_batch = micro x accum x data-parallel size.
+
+def resolve_batch_size(cfg: dict, world_size: int, stages: int) -> list[str]:
+    """DeepSpeed needs train_batch = micro x accum x data-parallel size; "auto" is filled in from the other two."""
+    pipe = "pipeline" in cfg
     micro = cfg.get("train_micro_batch_size_per_gpu")
     accum = cfg.get("gradient_accumulation_steps", 1)
     total = cfg.get("train_batch_size", "auto")
     dp = world_size // stages if world_size % stages == 0 else None
     if not isinstance(micro, int) or micro < 1:
-        p.append(f"train_micro_batch_size_per_gpu ({micro!r}) must be a positive integer")
-    elif not isinstance(accum, int) or accum < 1:
-        p.append(f"gradient_accumulation_steps ({accum!r}) must be a positive integer")
-    elif dp is None:
-        p.append(f"pipeline.stages ({stages}) must divide the world size ({world_size})")
-    elif total == "auto":
+        return [f"train_micro_batch_size_per_gpu ({micro!r}) must be a positive integer"]
+    if not isinstance(accum, int) or accum < 1:
+        return [f"gradient_accumulation_steps ({accum!r}) must be a positive integer"]
+    if dp is None:
+        return [f"pipeline.stages ({stages}) must divide the world size ({world_size})"]
+    if total == "auto":
         cfg["train_batch_size"] = micro * accum * dp
     elif total != micro * accum * dp:
-        p.append(f"train_batch_size ({total}) != train_micro_batch_size_per_gpu ({micro}) x "
-                 f"gradient_accumulation_steps ({accum}{' micro-batches in the pipeline' if pipe else ''}) x "
-                 f"data-parallel size ({dp}{f' = {world_size} ranks / {stages} stages' if pipe else ''}) = "
-                 f"{micro * accum * dp}; fix one of them or set train_batch_size to \"auto\"")
-    if p:
-        raise ConfigError(f"{where}: " + "; ".join(p))
-    return cfg
+        return [f"train_batch_size ({total}) != train_micro_batch_size_per_gpu ({micro}) x "
+                f"gradient_accumulation_steps ({accum}{' micro-batches in the pipeline' if pipe else ''}) x "
+                f"data-parallel size ({dp}{f' = {world_size} ranks / {stages} stages' if pipe else ''}) = "
+                f"{micro * accum * dp}; fix one of them or set train_batch_size to \"auto\""]
+    return []
 
 
 def check_pipeline(cfg: dict, recipe: Recipe, zero_stage) -> tuple[int, list[str]]:
     """The pipeline section's problems, and its stage count (1 when it has none usable)."""
-    from .pipeline import MOE_LAYER_PATTERN, PARTITION
-
     pipe, p = cfg["pipeline"], []
     if not isinstance(pipe, dict):
         return 1, [f'pipeline: expected an object like {{"stages": 2}}, got {pipe!r}']

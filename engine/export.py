@@ -41,23 +41,11 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-STATE_FILE = "engine_state.json"  # engine/checkpoint.py
+from .export_read import (AUTOEP_NAMES, DTYPES, ExportError, _check_against_config, _hf_keys, _load, _Opaque,
+                          _read_state, recorded_hf_config)
+
 MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 PIPELINE_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")  # also ZeRO-1/2 runs: refused in _rank_files
-DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
-
-# AutoEP renames a Hugging Face MoE block's children (deepspeed/module_inject/auto_ep_layer.py): the router
-# (preset `router_pattern`) becomes `router.gate`, shared experts (preset `shared_experts_pattern` /
-# `shared_experts_gate_pattern`) become `shared_experts` / `shared_experts_gate`. The presets' names, from
-# deepspeed/module_inject/auto_ep_presets/{deepseek_v3,qwen3_moe}.py:
-AUTOEP_NAMES = {
-    "deepseek_v3": {"router": "gate", "shared_experts": "shared_experts", "shared_experts_gate": None},
-    "qwen3_moe": {"router": "gate", "shared_experts": "shared_expert", "shared_experts_gate": "shared_expert_gate"},
-}
-
-
-class ExportError(Exception):
-    """Bad input: the message is one line saying what, where and how to fix it."""
 
 
 # ----------------------------------------------------------------------------------------------- locating
@@ -99,39 +87,6 @@ def _model_files(d: Path) -> list[Path]:
 
 
 # ------------------------------------------------------------------------------------------------ reading
-
-
-class _Opaque:
-    """Inert stand-in for a DeepSpeed object pickled into a checkpoint (ZeroStageEnum, LossScaler, ...).
-
-    Lets `torch.load(weights_only=True)` read DeepSpeed's files without importing or running DeepSpeed code.
-    """
-
-    def __init__(self, *args, **kwargs):
-        self.args = args
-
-    def __setstate__(self, state):
-        self.state = state
-
-
-def _load(path: Path, mmap: bool = False):
-    """torch.load(weights_only=True) of a DeepSpeed file; its DeepSpeed objects become _Opaque stand-ins."""
-    import torch
-
-    try:
-        names = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
-        foreign = [n for n in names if not n.startswith("deepspeed.")]
-        if foreign:
-            raise ExportError(f"{path}: holds objects that are not tensors or DeepSpeed state ({', '.join(foreign)}); "
-                              "refusing to unpickle it")
-        with torch.serialization.safe_globals([(_Opaque, n) for n in names]):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except ExportError:
-        raise
-    except Exception as e:  # noqa: BLE001  (zipfile, pickle and torch raise many kinds)
-        first = re.split(r"(?<=\.) ", (str(e).strip().splitlines() or [""])[0])[0][:160]
-        raise ExportError(f"{path}: cannot read it ({type(e).__name__}: {first}); the file is truncated or corrupt: "
-                          "copy the checkpoint again, or export an older one with --tag") from None
 
 
 def _numel(shape) -> int:
@@ -182,9 +137,48 @@ def plan_export(tag_dir: Path, dtype: str = "fp32") -> Plan:
 
     state = _read_state(tag_dir)
     ranks = _rank_files(tag_dir, state)
+    models = _read_model_states(ranks)
+    optims = {r.rank: _optim_meta(r.optim_file, r.rank) for r in ranks}  # before any slow import: fail fast
 
-    # Model states: shapes, buffers, AutoEP placement, per rank.
-    shapes_by_rank, autoep_by_rank, buffers, shared = {}, {}, {}, {}
+    cfg = recorded_hf_config(tag_dir, state)
+    names = AUTOEP_NAMES.get(cfg.model_type, AUTOEP_NAMES["deepseek_v3"])
+    keys, transposed, strict_fp32, tied = _hf_keys(cfg, dtype)
+    moe_paths, expert_info = _expert_placement(models.autoep)
+    hf_name = _hf_namer(moe_paths, names, keys)
+
+    frags = _FragmentMap(tag_dir, expert_info, transposed, models.shared, hf_name)
+    for r in ranks:
+        frags.add_rank(r, models.shapes[r.rank], optims[r.rank])
+    frags.check_complete()
+    got_shapes = frags.shapes
+
+    hf_buffers = {}
+    for name, t in models.buffers.items():
+        key = hf_name(name)
+        _same_shape(got_shapes, key, tuple(t.shape), tag_dir)
+        hf_buffers[key] = t
+    for key in tied:
+        got_shapes.pop(key, None)
+        keys.pop(key, None)
+    _check_against_config(got_shapes, keys, tag_dir)
+    for key in keys:
+        shape, _ = keys[key]
+        keys[key] = (shape, torch.float32 if key in strict_fp32 else getattr(torch, DTYPES[dtype]))
+    layout = {k: v for k, v in transposed.items() if k in keys}
+    return Plan(tag_dir, ranks, cfg, keys, hf_buffers, layout)
+
+
+@dataclass
+class _ModelStates:
+    shapes: dict     # rank -> [name -> full shape] per ZeRO sub-group, in flat order
+    autoep: dict     # rank -> its ds_autoep_layers
+    buffers: dict    # engine name -> tensor, from the first rank
+    shared: dict     # DeepSpeed's shared_params (tied parameters): no fragments of their own are mapped
+
+
+def _read_model_states(ranks: list[_Rank]) -> _ModelStates:
+    """Every rank's model-states file: parameter shapes, AutoEP placement, shared parameters; rank 0's buffers."""
+    out = _ModelStates({}, {}, {}, {})
     for r in ranks:
         ms = _load(r.model_file)
         if not isinstance(ms, dict) or "param_shapes" not in ms:
@@ -194,21 +188,19 @@ def plan_export(tag_dir: Path, dtype: str = "fp32") -> Plan:
             raise ExportError(f"{r.model_file}: has frozen (requires_grad=False) parameters "
                               f"({', '.join(list(ms['frozen_param_shapes'])[:3])}, ...), which this exporter does "
                               "not handle yet")
-        shapes_by_rank[r.rank] = [dict(g) for g in ms["param_shapes"]]
-        autoep_by_rank[r.rank] = ms.get("ds_autoep_layers") or []
-        shared.update(ms.get("shared_params") or {})
+        out.shapes[r.rank] = [dict(g) for g in ms["param_shapes"]]
+        out.autoep[r.rank] = ms.get("ds_autoep_layers") or []
+        out.shared.update(ms.get("shared_params") or {})
         if r.rank == ranks[0].rank:
             module = ms.get("module") or {}
-            buffers = {n: module[n].clone() for n in ms.get("buffer_names") or [] if n in module}
+            out.buffers = {n: module[n].clone() for n in ms.get("buffer_names") or [] if n in module}
         del ms
-    optims = {r.rank: _optim_meta(r.optim_file, r.rank) for r in ranks}  # before any slow import: fail fast
+    return out
 
-    cfg = recorded_hf_config(tag_dir, state)
-    model_type = cfg.model_type
-    names = AUTOEP_NAMES.get(model_type, AUTOEP_NAMES["deepseek_v3"])
-    keys, transposed, strict_fp32, tied = _hf_keys(cfg, dtype)
 
-    # Experts: engine name -> per rank (ep_rank, global experts of its local experts), from ds_autoep_layers.
+def _expert_placement(autoep_by_rank: dict) -> tuple[set[str], dict[str, dict[int, tuple[int, list[int], int]]]]:
+    """The MoE blocks' paths, and per expert weight (`<moe>.experts.w1`): rank -> (its expert-parallel rank, the
+    global experts of its local experts, the number of experts), from ds_autoep_layers."""
     moe_paths: set[str] = set()
     expert_info: dict[str, dict[int, tuple[int, list[int], int]]] = {}
     for rank, layers in autoep_by_rank.items():
@@ -223,7 +215,11 @@ def plan_export(tag_dir: Path, dtype: str = "fp32") -> Plan:
                 owned = {k: list(range(k * local, (k + 1) * local)) for k in range(ep_size)}
             for w in ("w1", "w2", "w3"):
                 expert_info.setdefault(f"{e['expert_key_prefix']}.{w}", {})[rank] = (ep_rank, owned[ep_rank], num)
+    return moe_paths, expert_info
 
+
+def _hf_namer(moe_paths: set[str], names: dict, keys: dict):
+    """engine name -> Hugging Face key: AutoEP's router and shared-expert names back to the model's own."""
     def hf_name(name: str) -> str:
         for m in moe_paths:
             if name.startswith(m + "."):
@@ -238,15 +234,22 @@ def plan_export(tag_dir: Path, dtype: str = "fp32") -> Plan:
                     if rest.startswith(ours) and theirs:
                         return f"{m}.{theirs}.{rest[len(ours):]}"
         return name
+    return hf_name
 
-    # Every parameter's fragments, per rank file; output shapes as the checkpoint implies them.
-    got_shapes: dict[str, tuple] = {}
-    seen: dict[tuple, set] = {}     # (engine name, ep_rank) -> partition ranks seen
-    counts: dict[tuple, int] = {}   # (engine name, ep_rank) -> partition count
-    experts_seen: dict[tuple, dict[int, int]] = {}  # (HF key, kind) -> global expert -> ep_rank it is taken from
-    for r in ranks:
-        optim = optims[r.rank]
-        groups = shapes_by_rank[r.rank]
+
+class _FragmentMap:
+    """Every parameter's fragments, rank file by rank file, into each _Rank's frags; the output shapes as the
+    checkpoint implies them; and the checks that the files come from one save and miss nothing."""
+
+    def __init__(self, tag_dir: Path, expert_info: dict, transposed: dict, shared: dict, hf_name):
+        self.tag_dir, self.expert_info, self.transposed, self.shared = tag_dir, expert_info, transposed, shared
+        self.hf_name = hf_name
+        self.shapes: dict[str, tuple] = {}
+        self.seen: dict[tuple, set] = {}     # (engine name, ep_rank) -> partition ranks seen
+        self.counts: dict[tuple, int] = {}   # (engine name, ep_rank) -> partition count
+        self.experts_seen: dict[tuple, dict[int, int]] = {}  # (HF key, kind) -> global expert -> ep_rank taken from
+
+    def add_rank(self, r: _Rank, groups: list[dict], optim: dict) -> None:
         if len(groups) != len(optim["sizes"]):
             raise ExportError(f"{r.optim_file}: has {len(optim['sizes'])} parameter groups but "
                               f"{r.model_file.name} lists {len(groups)}; the files come from different saves")
@@ -256,118 +259,76 @@ def plan_export(tag_dir: Path, dtype: str = "fp32") -> Plan:
             for name, shape in group.items():
                 numel = _numel(shape)
                 part = -(-numel // pcount)
-                length = max(0, min(part, numel - prank * part))
-                if name in shared:
-                    offset += part
-                    continue
-                if name in expert_info:
-                    if r.rank not in expert_info[name]:
-                        raise ExportError(f"{r.model_file}: holds {name} but no AutoEP metadata for it "
-                                          "(ds_autoep_layers); the files come from different saves")
-                    ep_rank, owned, num = expert_info[name][r.rank]
-                    if len(shape) != 3 or shape[0] != len(owned):
-                        raise ExportError(f"{r.model_file}: {name} has shape {tuple(shape)} but AutoEP metadata "
-                                          f"places {len(owned)} experts on expert-parallel rank {ep_rank}")
-                    w = name.rsplit(".", 1)[1]
-                    prefix = name[: -len(".w1")]
-                    key = f"{prefix}.{'down_proj' if w == 'w2' else 'gate_up_proj'}"
-                    kind = {"w1": "gate", "w3": "up", "w2": "down"}[w]
-                    ffn, hidden = (shape[1], shape[2]) if w != "w2" else (shape[2], shape[1])
-                    full = (num, 2 * ffn, hidden) if w != "w2" else (num, hidden, ffn)
-                    if transposed.get(key):
-                        full = (full[0], full[2], full[1])
-                    _same_shape(got_shapes, key, full, tag_dir)
-                    owners = experts_seen.setdefault((key, kind), {})
-                    local = []  # global index of each local expert; None where another rank's copy is used
-                    for ge in owned:
-                        if not 0 <= ge < num:
-                            raise ExportError(f"{r.model_file}: AutoEP placement names expert {ge} of {num}")
-                        local.append(ge if owners.setdefault(ge, ep_rank) == ep_rank else None)
-                    target = _Target(key, kind, local)
-                    unit = ep_rank
-                else:
-                    key = hf_name(name)
-                    _same_shape(got_shapes, key, tuple(shape), tag_dir)
-                    target = _Target(key, "dense")
-                    unit = None
-                ident = (name, unit)
-                if counts.setdefault(ident, pcount) != pcount:
-                    raise ExportError(f"{tag_dir}: {name} is partitioned {counts[ident]} ways on one rank and "
-                                      f"{pcount} on another; the files come from different saves")
-                if prank in seen.setdefault(ident, set()):
-                    raise ExportError(f"{tag_dir}: two files hold partition {prank} of {name}; the files come from "
-                                      "different saves")
-                seen[ident].add(prank)
-                if length:
-                    r.frags.append(_Frag(g, offset, length, prank * part, target))
+                if name not in self.shared:
+                    length = max(0, min(part, numel - prank * part))
+                    self._add(r, name, shape, _Frag(g, offset, length, prank * part, None), pcount, prank)
                 offset += part
             if offset > optim["sizes"][g]:
                 raise ExportError(f"{r.optim_file}: parameter group {g} holds {optim['sizes'][g]} values but its "
                                   f"parameters need {offset}; the file does not belong to {r.model_file.name}")
-    for ident, parts in seen.items():
-        if parts != set(range(counts[ident])):
-            raise ExportError(f"{tag_dir}: partitions {sorted(set(range(counts[ident])) - parts)} of {ident[0]} are "
-                              "missing; copy every rank's zero_pp_rank_* files")
-    for (key, kind), owners in experts_seen.items():
-        num = got_shapes[key][0]
-        if len(owners) != num:
-            raise ExportError(f"{tag_dir}: experts {sorted(set(range(num)) - set(owners))} of {key} ({kind}) are in "
-                              "no file; copy every rank's zero_pp_rank_* files")
 
-    hf_buffers = {}
-    for name, t in buffers.items():
-        key = hf_name(name)
-        _same_shape(got_shapes, key, tuple(t.shape), tag_dir)
-        hf_buffers[key] = t
-    for key in tied:
-        got_shapes.pop(key, None)
-        keys.pop(key, None)
+    def _add(self, r: _Rank, name: str, shape, frag: _Frag, pcount: int, prank: int) -> None:
+        """One parameter's piece in rank file `r`: partition `prank` of `pcount`, its target not yet set."""
+        if name in self.expert_info:
+            frag.target, unit = self._expert_target(r, name, shape)
+        else:
+            key = self.hf_name(name)
+            _same_shape(self.shapes, key, tuple(shape), self.tag_dir)
+            frag.target, unit = _Target(key, "dense"), None
+        ident = (name, unit)
+        if self.counts.setdefault(ident, pcount) != pcount:
+            raise ExportError(f"{self.tag_dir}: {name} is partitioned {self.counts[ident]} ways on one rank and "
+                              f"{pcount} on another; the files come from different saves")
+        if prank in self.seen.setdefault(ident, set()):
+            raise ExportError(f"{self.tag_dir}: two files hold partition {prank} of {name}; the files come from "
+                              "different saves")
+        self.seen[ident].add(prank)
+        if frag.length:
+            r.frags.append(frag)
 
-    _check_against_config(got_shapes, keys, tag_dir)
-    for key in keys:
-        shape, _ = keys[key]
-        keys[key] = (shape, torch.float32 if key in strict_fp32 else getattr(torch, DTYPES[dtype]))
-    layout = {k: v for k, v in transposed.items() if k in keys}
-    return Plan(tag_dir, ranks, cfg, keys, hf_buffers, layout)
+    def _expert_target(self, r: _Rank, name: str, shape) -> tuple[_Target, int]:
+        """Where rank `r`'s stacked local experts of `name` (`<moe>.experts.w1|w2|w3`) go, and its ep rank."""
+        if r.rank not in self.expert_info[name]:
+            raise ExportError(f"{r.model_file}: holds {name} but no AutoEP metadata for it "
+                              "(ds_autoep_layers); the files come from different saves")
+        ep_rank, owned, num = self.expert_info[name][r.rank]
+        if len(shape) != 3 or shape[0] != len(owned):
+            raise ExportError(f"{r.model_file}: {name} has shape {tuple(shape)} but AutoEP metadata "
+                              f"places {len(owned)} experts on expert-parallel rank {ep_rank}")
+        w = name.rsplit(".", 1)[1]
+        prefix = name[: -len(".w1")]
+        key = f"{prefix}.{'down_proj' if w == 'w2' else 'gate_up_proj'}"
+        kind = {"w1": "gate", "w3": "up", "w2": "down"}[w]
+        ffn, hidden = (shape[1], shape[2]) if w != "w2" else (shape[2], shape[1])
+        full = (num, 2 * ffn, hidden) if w != "w2" else (num, hidden, ffn)
+        if self.transposed.get(key):
+            full = (full[0], full[2], full[1])
+        _same_shape(self.shapes, key, full, self.tag_dir)
+        owners = self.experts_seen.setdefault((key, kind), {})
+        local = []  # global index of each local expert; None where another rank's copy is used
+        for ge in owned:
+            if not 0 <= ge < num:
+                raise ExportError(f"{r.model_file}: AutoEP placement names expert {ge} of {num}")
+            local.append(ge if owners.setdefault(ge, ep_rank) == ep_rank else None)
+        return _Target(key, kind, local), ep_rank
+
+    def check_complete(self) -> None:
+        """Every partition of every parameter, and every expert, came from some file."""
+        for ident, parts in self.seen.items():
+            if parts != set(range(self.counts[ident])):
+                raise ExportError(f"{self.tag_dir}: partitions {sorted(set(range(self.counts[ident])) - parts)} of "
+                                  f"{ident[0]} are missing; copy every rank's zero_pp_rank_* files")
+        for (key, kind), owners in self.experts_seen.items():
+            num = self.shapes[key][0]
+            if len(owners) != num:
+                raise ExportError(f"{self.tag_dir}: experts {sorted(set(range(num)) - set(owners))} of {key} ({kind}) "
+                                  "are in no file; copy every rank's zero_pp_rank_* files")
 
 
 def _same_shape(got: dict, key: str, shape: tuple, tag_dir: Path) -> None:
     if got.setdefault(key, tuple(shape)) != tuple(shape):
         raise ExportError(f"{tag_dir}: {key} has shape {got[key]} in one file and {tuple(shape)} in another; "
                           "the files come from different saves")
-
-
-def _check_against_config(got: dict, keys: dict, tag_dir: Path) -> None:
-    missing = [k for k in keys if k not in got]
-    extra = [k for k in got if k not in keys]
-    wrong = [(k, got[k], tuple(keys[k][0])) for k in keys if k in got and got[k] != tuple(keys[k][0])]
-    if not (missing or extra or wrong):
-        return
-    what = []
-    if wrong:
-        what.append("shapes differ: " + ", ".join(f"{k} is {a} in the checkpoint but {b} in the config"
-                                                  for k, a, b in wrong[:2]) + (" ..." if len(wrong) > 2 else ""))
-    if missing:
-        what.append(f"the config has {len(missing)} tensors the checkpoint lacks ({', '.join(missing[:3])}"
-                    f"{' ...' if len(missing) > 3 else ''})")
-    if extra:
-        what.append(f"the checkpoint has {len(extra)} tensors the config lacks ({', '.join(extra[:3])}"
-                    f"{' ...' if len(extra) > 3 else ''})")
-    raise ExportError(f"{tag_dir}: checkpoint does not match the model recorded in its {STATE_FILE}: "
-                      + "; ".join(what) + f" (was {STATE_FILE} edited, or are files from different runs mixed?)")
-
-
-def _read_state(tag_dir: Path) -> dict:
-    f = tag_dir / STATE_FILE
-    if not f.is_file():
-        raise ExportError(f"{tag_dir}: no {STATE_FILE}, so the model config is unknown (this exporter reads "
-                          "checkpoints written by bin/pretrain.py)")
-    try:
-        state = json.loads(f.read_text())
-        state["recipe"]["model"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise ExportError(f"{f}: unreadable or has no recipe.model section ({type(e).__name__}: {e})") from None
-    return state
 
 
 def _rank_files(tag_dir: Path, state: dict) -> list[_Rank]:
@@ -424,69 +385,6 @@ def _optim_meta(path: Path, file_rank: int) -> dict:
     finally:
         del sd
         gc.collect()
-
-
-def recorded_hf_config(tag_dir: Path, state: dict):
-    """The transformers config of the recorded recipe (engine/model.py:hf_config), dtype left to the caller."""
-    import dataclasses
-
-    from .config import ModelConfig
-    from .model import make_hf_config as hf_config
-
-    raw = state["recipe"]["model"]
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    m = ModelConfig(**{k: v for k, v in raw.items() if k in known})
-    if m.init_from:
-        from transformers import AutoConfig
-
-        if not Path(m.init_from, "config.json").is_file():
-            raise ExportError(f"{tag_dir}: the run started from model.init_from={m.init_from}, whose config.json is "
-                              "gone; put that model back to export")
-        return AutoConfig.from_pretrained(m.init_from)
-    tok = _tokenizer(tag_dir, state)
-    try:
-        return hf_config(m, tok)
-    except (ValueError, TypeError) as e:
-        raise ExportError(f"{tag_dir / STATE_FILE}: its model section gives no valid config ({e})") from None
-
-
-def _tokenizer(tag_dir: Path, state: dict):
-    from transformers import AutoTokenizer
-
-    for where in (tag_dir / "tokenizer", state["recipe"].get("data", {}).get("tokenizer")):
-        if where and Path(where).is_dir():
-            try:
-                return AutoTokenizer.from_pretrained(str(where))
-            except Exception:  # noqa: BLE001
-                continue
-    raise ExportError(f"{tag_dir}: no tokenizer/ folder and the recipe's data.tokenizer is not readable; the config's "
-                      "pad/bos/eos ids come from it")
-
-
-def _hf_keys(cfg, dtype: str):
-    """A freshly built transformers model of `cfg`, on the meta device: its keys, shapes and expert layouts."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    keys = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
-    transposed = {}
-    for name, mod in model.named_modules():
-        for p in ("gate_up_proj", "down_proj"):  # fused 3-D expert tensors (not the dense MLP's nn.Linear)
-            if f"{name}.{p}" in keys:
-                transposed[f"{name}.{p}"] = bool(getattr(mod, "is_transposed", False))
-    strict = set()
-    if DTYPES[dtype] != "float32":
-        names = set(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
-        strict = {k for k in keys if names & set(k.split("."))}
-    tied = []
-    if getattr(cfg.get_text_config(), "tie_word_embeddings", False):
-        tied = [k for k in (getattr(model, "_tied_weights_keys", None) or {}) if k in keys]
-    cls = type(model).__name__
-    del model
-    cfg.architectures = [cls]
-    return keys, transposed, strict, tied
 
 
 # ------------------------------------------------------------------------------------------------ writing

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .watchdog import start_peer_watchdog
+
 
 @dataclass
 class World:
@@ -35,8 +37,6 @@ def init_distributed() -> None:
                           MASTER_PORT=os.environ.get("MASTER_PORT", str(29500 + os.getpid() % 1000)))
     deepspeed.init_distributed()
     release_shm_names()
-    from .cluster import start_peer_watchdog
-
     # DeepSpeed's own process groups wait up to torch's default timeout (10-30 min) on a dead peer; the watchdog
     # ends this rank within MOE_PEER_TIMEOUT s (default 30) instead (docs/multinode.md).
     start_peer_watchdog()

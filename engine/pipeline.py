@@ -30,9 +30,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-
-MOE_LAYER_PATTERN = r"\d+\.layer\.mlp"  # the DS config's expert_parallel.moe_layer_pattern in pipeline mode
-PARTITION = "type:DecoderLayerPipe"  # default: balance decoder layers over the stages
+from .ds_config import PARTITION, uses_expert_parallel
 
 
 def is_pipeline(ds: dict) -> bool:
@@ -191,8 +189,6 @@ def init_like_zero3(full: nn.Module, owned: dict[int, nn.Module]) -> None:
 def balance_layout(engine) -> dict:
     """ExpertBalance's arguments in pipeline mode (none otherwise): the row of each of this stage's AutoEP layers
     (named `<i>.layer.mlp`, i = 1 + decoder layer) among all MoE layers of the model."""
-    from .ds_config import uses_expert_parallel
-
     ids, cfg = getattr(engine.module, "moe_layer_ids", None), getattr(engine.module, "config", None)
     if ids is None or not uses_expert_parallel(engine.config):
         return {}

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from .export import (AUTOEP_NAMES, DTYPES, ExportError, _check_against_config, _hf_keys, _load,
-                     _read_state, recorded_hf_config)
+from .export_read import (AUTOEP_NAMES, DTYPES, ExportError, _check_against_config, _hf_keys, _load,
+                          _read_state, recorded_hf_config)
 from .pipeline import hf_key
 
 EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
@@ -57,9 +57,27 @@ def plan_pipeline(tag_dir: Path, dtype: str = "fp32") -> PipelinePlan:
     names = AUTOEP_NAMES.get(cfg.model_type, AUTOEP_NAMES["deepseek_v3"])
     layers = cfg.num_hidden_layers
 
-    dense: dict[str, torch.Tensor] = {}      # engine name -> tensor (weights and buffers, experts excluded)
-    experts: dict[str, dict[int, torch.Tensor]] = {}  # `<moe>.experts.w1` -> global expert -> [ffn, hidden]
-    placement: dict[str, dict[int, list[int]]] = {}   # `<moe>.experts.w1` -> expert-parallel rank -> its experts
+    dense, experts, placement, moe_paths = _read_stages(tag_dir, stages)
+    _fp32_masters(tag_dir, stages, dense, experts, placement)
+    hf_name = _hf_namer(moe_paths, names, layers)
+    out = {hf_name(k): v.float() for k, v in dense.items()}
+    out.update(_hf_experts(tag_dir, experts, layers, transposed))
+    for key in tied:
+        keys.pop(key, None)
+        out.pop(key, None)
+    _check_against_config({k: tuple(v.shape) for k, v in out.items()}, keys, tag_dir)
+    target = getattr(torch, DTYPES[dtype])
+    out = {k: out[k].to(torch.float32 if k in strict_fp32 else target).contiguous() for k in keys}
+    return PipelinePlan(tag_dir, cfg, out, keys)
+
+
+def _read_stages(tag_dir: Path, stages: int) -> tuple[dict, dict, dict, list[str]]:
+    """Every stage's model files: the dense tensors (engine name -> tensor, weights and buffers, experts excluded),
+    the experts (`<moe>.experts.w1` -> global expert -> tensor), their placement (`<moe>.experts.w1` ->
+    expert-parallel rank -> its experts) and the MoE blocks' paths."""
+    dense: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    placement: dict[str, dict[int, list[int]]] = {}
     moe_paths: list[str] = []
     for s in range(stages):
         f = tag_dir / f"mp_rank_{s:02d}_model_states.pt"
@@ -85,8 +103,12 @@ def plan_pipeline(tag_dir: Path, dtype: str = "fp32") -> PipelinePlan:
     for f in sorted(tag_dir.glob("layer_*-model_states.pt")):  # pipelines without AutoEP: one file per layer
         idx = int(f.name[len("layer_"):].split("-")[0])
         dense.update({f"{idx}.{k}": v for k, v in _load(f).items()})
-    _fp32_masters(tag_dir, stages, dense, experts, placement)
+    return dense, experts, placement, moe_paths
 
+
+def _hf_namer(moe_paths: list[str], names: dict, layers: int):
+    """engine name -> Hugging Face key: AutoEP's router and shared-expert names back to the model's own, then the
+    PipelineModule's layer index to the model's (engine/pipeline.py: hf_key)."""
     def hf_name(name: str) -> str:
         for m in moe_paths:
             if name.startswith(m + "."):
@@ -101,8 +123,13 @@ def plan_pipeline(tag_dir: Path, dtype: str = "fp32") -> PipelinePlan:
                     rest = f"{names['shared_experts']}.{rest[len('shared_experts.'):]}"
                 name = f"{m}.{rest}"
         return hf_key(name, layers)
+    return hf_name
 
-    out = {hf_name(k): v.float() for k, v in dense.items()}
+
+def _hf_experts(tag_dir: Path, experts: dict, layers: int, transposed: dict) -> dict[str, torch.Tensor]:
+    """Per-expert w1/w3/w2 -> the Hugging Face fused tensors: gate_up_proj [experts, 2*ffn, hidden] = cat(gate, up),
+    down_proj [experts, hidden, ffn] (each expert's matrix transposed where the model says `is_transposed`)."""
+    out = {}
     for name, per_expert in experts.items():  # name: `<moe>.experts.w1|w2|w3`
         if name.endswith(".w3"):
             continue
@@ -117,13 +144,7 @@ def plan_pipeline(tag_dir: Path, dtype: str = "fp32") -> PipelinePlan:
         if sorted(per_expert) != list(range(len(per_expert))):
             raise ExportError(f"{tag_dir}: {name} has experts {sorted(per_expert)}; copy every expert file")
         out[key] = torch.stack([p.t() for p in parts] if transposed.get(key) else parts)
-    for key in tied:
-        keys.pop(key, None)
-        out.pop(key, None)
-    _check_against_config({k: tuple(v.shape) for k, v in out.items()}, keys, tag_dir)
-    target = getattr(torch, DTYPES[dtype])
-    out = {k: out[k].to(torch.float32 if k in strict_fp32 else target).contiguous() for k in keys}
-    return PipelinePlan(tag_dir, cfg, out, keys)
+    return out
 
 
 def _read_experts(tag_dir: Path, stage: int, m: int, layer: dict, experts: dict) -> None:
