@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import DEEPSPEED, ROOT, env, free_port, read_metrics, write_ds
+from conftest import DEEPSPEED, ROOT, env, free_port, read_metrics, run_in_process, write_ds
 
 HOOKS = ROOT / "tests" / "scripts" / "pretrain_hooks.py"
 PRETRAIN = ROOT / "bin" / "pretrain.py"
@@ -238,12 +237,14 @@ def test_resume_on_one_rank_from_a_two_rank_checkpoint(base, reference, stopped)
         assert abs(r["loss"] - ref["loss"]) < 5e-6 * ref["loss"], (r, ref)
 
 
-def resume_rank0(base: Path, run: Path, recipe: Path | None = None) -> subprocess.CompletedProcess:
-    """bin/pretrain.py --resume as the launcher would start rank 0 of 2 ranks (preflight stops it alone)."""
-    cmd = [sys.executable, PRETRAIN, "--deepspeed_config", base / "ds2.json", "--config", recipe or base / "recipe.yaml",
-           "--run_dir", run, "--resume"]
-    e = env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_SIZE="2")
-    return subprocess.run(list(map(str, cmd)), cwd=base, env=e, capture_output=True, text=True, timeout=300)
+def resume_rank0(base: Path, run: Path, capfd, monkeypatch, recipe: Path | None = None) -> subprocess.CompletedProcess:
+    """bin/pretrain.py --resume as the launcher would start rank 0 of 2 ranks (preflight stops it alone): its main in
+    this process (conftest.run_in_process). Through the real launcher: test_damaged_checkpoint_through_the_launcher."""
+    from engine.pretrain import main
+
+    argv = ["--deepspeed_config", base / "ds2.json", "--config", recipe or base / "recipe.yaml", "--run_dir", run,
+            "--resume"]
+    return run_in_process(main, argv, capfd, monkeypatch, cwd=base, RANK=0, LOCAL_RANK=0, WORLD_SIZE=2, LOCAL_SIZE=2)
 
 
 def damage(run: Path, case: str, tmp_path: Path) -> Path | None:
@@ -275,12 +276,12 @@ def damage(run: Path, case: str, tmp_path: Path) -> Path | None:
     ("flipped_byte", "zero_pp_rank_0_mp_rank_00_optim_states.pt fails its CRC check"),
     ("missing_file", "rng_rank1.pt is missing"),
 ])
-def test_bad_resume_is_one_clear_line_before_any_work(base, reference, tmp_path, case, expect):
+def test_bad_resume_is_one_clear_line_before_any_work(base, reference, tmp_path, case, expect, capfd, monkeypatch):
     run = tmp_path / "run"
     shutil.copytree(base / "ref", run)
     recipe = damage(run, case, tmp_path)
     before = tree_digest(run)
-    p = resume_rank0(base, run, recipe)
+    p = resume_rank0(base, run, capfd, monkeypatch, recipe)
     assert p.returncode == 2, p.stderr[-3000:]
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], p.stderr[-3000:]
