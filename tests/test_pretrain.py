@@ -267,14 +267,25 @@ def test_plain_text_files_are_documents_one_per_line(tmp_path):
     assert sorted(docs["text"]) == ["first document", "second one", "third"]
 
 
-@pytest.mark.parametrize("name", ["zero3_offload.json", "zero3_bf16_states.json"])
-def test_one_big_model_configs_train_the_default_on_two_cpu_ranks(tmp_path, name):
+BIG_MODEL_CONFIGS = ["zero3_offload.json", "zero3_bf16_states.json"]
+
+
+@pytest.fixture(scope="module")
+def big_model_config_runs(tmp_path_factory) -> dict:
+    """Each config of BIG_MODEL_CONFIGS as shipped, 20 steps of the tiny default on 2 CPU ranks; the two launches
+    side by side (conftest.launch_together)."""
+    from conftest import launch_together
+
+    tmp = tmp_path_factory.mktemp("big_model_configs")
+    launch_together([(2, PRETRAIN, "--deepspeed_config", ROOT / "ds_configs" / name, "--max_steps", "20",
+                      "--run_dir", tmp / name / "run") for name in BIG_MODEL_CONFIGS], cwd=tmp)
+    return {name: tmp / name / "run" for name in BIG_MODEL_CONFIGS}
+
+
+@pytest.mark.parametrize("name", BIG_MODEL_CONFIGS)
+def test_one_big_model_configs_train_the_default_on_two_cpu_ranks(big_model_config_runs, name):
     """The single-GPU configs for big models (CPU optimizer offload; bf16 optimizer states) as shipped: through
     the launcher on 2 CPU ranks they train the tiny default (the GPU figures are in docs/benchmarks.md)."""
-    from conftest import launch
-
-    launch(2, PRETRAIN, "--deepspeed_config", ROOT / "ds_configs" / name, "--max_steps", "20",
-           "--run_dir", tmp_path / "run", cwd=tmp_path)
-    rows = read_metrics(tmp_path / "run")
+    rows = read_metrics(big_model_config_runs[name])
     assert [r["step"] for r in rows] == [10, 20] and rows[-1]["world_size"] == 2
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.3, rows

@@ -178,16 +178,45 @@ def test_keep_last_prunes_old_checkpoints(base, reference):
 @pytest.fixture(scope="module")
 def stopped(base) -> dict:
     """SIGTERM to the launcher (deepspeed.launcher.launch) mid-run: it forwards SIGTERM to rank 0 only (then waits
-    up to 30 s before rank 1); rank 1 learns through the all-reduce at the step boundary."""
-    run = base / "stop"
-    p = start(base, "stop", HOOK_STEP_SLEEP=1)
-    wait_until(p, lambda: logged(run) >= 2)
-    launcher = next(c for c in psutil.Process(p.pid).children() if "deepspeed.launcher.launch" in " ".join(c.cmdline()))
-    launcher.send_signal(signal.SIGTERM)
-    rc = finish(p)
+    up to 30 s before rank 1); rank 1 learns through the all-reduce at the step boundary.
+
+    Beside it, from the same start, the run of test_ctrl_c_to_the_process_group_saves_and_exits: Ctrl-C in a terminal,
+    SIGINT to the runner, the launcher and every rank at once (key "ctrl_c"). The two runs are independent launches
+    that sleep 1 s at each step boundary, so they share the 2 cores well while both start."""
+    run, run_c = base / "stop", base / "ctrl_c"
+    p, p_c = start(base, "stop", HOOK_STEP_SLEEP=1), start(base, "ctrl_c", HOOK_STEP_SLEEP=1)
+    t0 = time.time()
+    procs = None
+    try:
+        pending = {"stop", "ctrl_c"}
+        while pending:  # each signal as soon as its run is where its test wants it
+            if "ctrl_c" in pending and logged(run_c) >= 1:
+                procs = psutil.Process(p_c.pid).children(recursive=True)
+                os.killpg(p_c.pid, signal.SIGINT)
+                pending.discard("ctrl_c")
+            if "stop" in pending and logged(run) >= 2:
+                launcher = next(c for c in psutil.Process(p.pid).children()
+                                if "deepspeed.launcher.launch" in " ".join(c.cmdline()))
+                launcher.send_signal(signal.SIGTERM)
+                pending.discard("stop")
+            for q, name in ((p, "stop"), (p_c, "ctrl_c")):
+                if name in pending and q.poll() is not None:
+                    raise AssertionError(f"run {name} ended (rc {q.returncode}) before its signal\n"
+                                         f"{q.log.read_text()[-4000:]}")
+            time.sleep(0.05)
+            if time.time() > t0 + 300:
+                raise AssertionError(f"no signal point within 300 s: {pending}\n{p.log.read_text()[-2000:]}"
+                                     f"\n{p_c.log.read_text()[-2000:]}")
+        finish(p_c)  # the runner dies at once (KeyboardInterrupt); the ranks are still saving: wait for them
+        psutil.wait_procs(procs, timeout=120)
+        rc = finish(p)
+    finally:
+        for q in (p, p_c):
+            if q.poll() is None:
+                os.killpg(q.pid, signal.SIGKILL)
     buffers = torch.load(run / "checkpoints" / latest(run) / "buffers.pt")  # before later saves prune it
     return {"rc": rc, "ranks": [hook(p, r) for r in (0, 1)], "rows": read_metrics(run), "latest": latest(run),
-            "log": p.log.read_text(), "bias": {n: b.tolist() for n, b in buffers.items()}}
+            "log": p.log.read_text(), "bias": {n: b.tolist() for n, b in buffers.items()}, "ctrl_c": p_c}
 
 
 def test_sigterm_to_the_launcher_saves_at_the_next_step_and_exits(stopped):
@@ -199,15 +228,9 @@ def test_sigterm_to_the_launcher_saves_at_the_next_step_and_exits(stopped):
     assert f"stopped by signal {int(signal.SIGTERM)} after step {last}" in stopped["log"]
 
 
-def test_ctrl_c_to_the_process_group_saves_and_exits(base):
-    """Ctrl-C in a terminal: SIGINT reaches the runner, the launcher and every rank at once."""
-    run = base / "ctrl_c"
-    p = start(base, "ctrl_c", HOOK_STEP_SLEEP=1)
-    wait_until(p, lambda: logged(run) >= 1)
-    procs = psutil.Process(p.pid).children(recursive=True)
-    os.killpg(p.pid, signal.SIGINT)
-    finish(p)  # the runner dies at once (KeyboardInterrupt); the ranks are still saving: wait for them
-    psutil.wait_procs(procs, timeout=120)
+def test_ctrl_c_to_the_process_group_saves_and_exits(base, stopped):
+    """Ctrl-C in a terminal: SIGINT reaches the runner, the launcher and every rank at once (run by `stopped`)."""
+    run, p = base / "ctrl_c", stopped["ctrl_c"]
     assert [hook(p, r)["rc"] for r in (0, 1)] == [0, 0], p.log.read_text()[-3000:]
     last = read_metrics(run)[-1]["step"]
     assert last < STEPS and latest(run) == tag(last)
