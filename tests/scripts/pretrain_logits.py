@@ -39,6 +39,7 @@ def main() -> None:
     engine.eval()
     with torch.no_grad():
         if pipeline.is_pipeline(ds):
+            engine.reset_activation_shape()  # the stages keep training's activation shapes (seq_len) otherwise
             _, logits = engine.eval_batch(iter([(ids, ids)]), return_logits=True, num_micro_batches=1)
             last = engine.is_last_stage()
         else:
