@@ -4,9 +4,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -49,12 +52,71 @@ def env(**extra) -> dict:
 def launch(n_ranks: int, script: str | Path, *args, cwd: Path, timeout: int = 600,
            check: bool = True) -> subprocess.CompletedProcess:
     """`deepspeed --num_gpus N script args` on CPU ranks; output kept for the assertion message."""
-    cmd = [DEEPSPEED, "--master_port", str(free_port()),
-           "--num_gpus", str(n_ranks), str(script), *map(str, args)]
-    p = subprocess.run(cmd, cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout)
-    if check and p.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}")
-    return p
+    return launch_together([(n_ranks, script, *args)], cwd=cwd, timeout=timeout, check=check)[0]
+
+
+def launch_together(jobs: list[tuple], cwd: Path, timeout: int = 600,
+                    check: bool = True) -> list[subprocess.CompletedProcess]:
+    """Several independent launches `(n_ranks, script, *args)` at once; waits for all of them.
+
+    Each launch spends most of its first 15-25 s in imports and DeepSpeed's start on one core per rank, so two
+    1-rank launches side by side take about the time of one on a 2-core machine. Each one is still its own
+    `deepspeed` launcher and its own processes; nothing is shared but the wall clock.
+    """
+    procs = []
+    for n_ranks, script, *args in jobs:
+        cmd = [DEEPSPEED, "--master_port", str(free_port()),
+               "--num_gpus", str(n_ranks), str(script), *map(str, args)]
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        procs.append((cmd, subprocess.Popen(cmd, cwd=cwd, env=env(), stdout=out, stderr=err, text=True,
+                                            start_new_session=True), out, err))
+    done, end = [], time.time() + timeout
+    try:
+        for cmd, p, out, err in procs:
+            try:
+                rc = p.wait(timeout=max(1.0, end - time.time()))
+            except subprocess.TimeoutExpired:
+                raise subprocess.TimeoutExpired(cmd, timeout) from None
+            out.seek(0), err.seek(0)
+            done.append(subprocess.CompletedProcess(cmd, rc, out.read(), err.read()))
+    finally:
+        for _, p, out, err in procs:
+            if p.poll() is None:  # a timeout or a failed wait: end this launch's whole process group, by its id
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            out.close(), err.close()
+    for p in done:
+        if check and p.returncode != 0:
+            raise AssertionError(f"{' '.join(p.args)} exited {p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}")
+    return done
+
+
+def run_in_process(main, argv: list, capfd, monkeypatch, cwd: Path | None = None,
+                   **environ) -> subprocess.CompletedProcess:
+    """A command-line entry point (`engine.pretrain.main`, `engine.export.main`, ...) called in this process, as
+    `python bin/X argv` would run it, with `environ` set; returns its exit code and what it wrote to the file
+    descriptors 1 and 2 (capfd: every write, Python's or a C library's, not only sys.stdout/sys.stderr).
+
+    For the refusal tests: a subprocess spends 5-10 s importing torch and transformers before the check that
+    refuses the input takes milliseconds. What a fresh process prints at import time is checked once per entry
+    point by a test that still runs it as a subprocess. Stopping "before any work" is enforced here:
+    `engine.pretrain.init_distributed` raises, so a check that lets bad input through fails instead of waiting
+    for ranks that do not exist.
+    """
+    import engine.pretrain
+
+    def no_work(*a, **k):
+        raise AssertionError(f"{argv}: got past the checks to init_distributed (bad input was let through)")
+
+    monkeypatch.setattr(engine.pretrain, "init_distributed", no_work)
+    for k, v in environ.items():
+        monkeypatch.setenv(k, str(v))
+    if cwd is not None:
+        monkeypatch.chdir(cwd)
+    capfd.readouterr()  # drop what came before
+    rc = main([str(a) for a in argv])
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(["<in process>", *map(str, argv)], rc, out, err)
 
 
 def write_ds(path: Path, base: Path = ZERO3, drop: tuple = (), **changes) -> Path:
@@ -74,3 +136,82 @@ def read_metrics(run_dir: Path) -> list[dict]:
 @pytest.fixture(scope="session")
 def root() -> Path:
     return ROOT
+
+
+# ------------------------------------------------------------------------------------- shared pretraining runs
+
+PRETRAIN_LOGITS = ROOT / "tests" / "scripts" / "pretrain_logits.py"
+
+# A small DeepSeek-V3 (MLA, a first dense layer, 4 routed experts top-2 + 1 shared): moe_intermediate_size !=
+# hidden_size, so a transposed expert weight cannot pass unnoticed; balance_rate > 0 moves the routing biases off
+# zero, so their checkpointing and export are exercised too. 5 steps, checkpoints at steps 3 and 5.
+SMALL_DEEPSEEK = """
+model: {arch: deepseek_v3, hidden_size: 32, num_layers: 3, first_dense_layers: 1, num_heads: 4,
+        intermediate_size: 64, moe_intermediate_size: 48, num_experts: 4, experts_per_token: 2,
+        num_shared_experts: 1, vocab_size: 512, max_position_embeddings: 128, kv_lora_rank: 16,
+        qk_rope_head_dim: 8, qk_nope_head_dim: 8, v_head_dim: 8}
+data: {seq_len: 32}
+train: {max_steps: 5, warmup_steps: 1, log_every: 1, balance_rate: 0.01}
+checkpoint: {every_steps: 3}
+"""
+
+
+def fixed_ids() -> "torch.Tensor":
+    """The token ids whose logits the export and pipeline tests compare (2 x 24, inside the bundled tokenizer)."""
+    import torch
+
+    return torch.randint(3, 483, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+def small_corpus(path: Path) -> Path:
+    """The first 200 documents of the bundled corpus: tokenizing stays quick."""
+    lines = (ROOT / "engine" / "assets" / "corpus.jsonl").read_text().splitlines()[:200]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def fp32_zero3(path: Path, preset: str = "deepseek_v3", autoep_size="auto", micro: int = 2) -> Path:
+    """ds_configs/zero3.json in fp32 (bounds of 1e-5 need it), micro-batch `micro`, AutoEP with `preset`."""
+    zero3 = json.loads(ZERO3.read_text())
+    return write_ds(path, drop=("bf16",), train_micro_batch_size_per_gpu=micro,
+                    expert_parallel={**zero3["expert_parallel"], "preset_model": preset, "autoep_size": autoep_size})
+
+
+def pretrain_job(tmp: Path, recipe: str, ranks: int, ds: Path, corpus: Path | None = None,
+                 run_name: str = "run") -> tuple[tuple, dict]:
+    """A launch of tests/scripts/pretrain_logits.py (bin/pretrain.py + the trained engine's logits) into tmp/run_name,
+    for `launch`/`launch_together`, and the dict its fixture returns once it has run (logits still to be read)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "recipe.yaml").write_text(recipe)
+    corpus = corpus or small_corpus(tmp / "corpus.jsonl")
+    import torch
+
+    torch.save(fixed_ids(), tmp / "ids.pt")
+    common = ["--deepspeed_config", ds, "--config", tmp / "recipe.yaml", "--run_dir", tmp / run_name, "--data", corpus]
+    job = (ranks, PRETRAIN_LOGITS, "--ids", tmp / "ids.pt", "--logits", tmp / "logits.pt", *common)
+    return job, {"dir": tmp, "run": tmp / run_name, "ranks": ranks, "common": common, "ds": ds}
+
+
+def finished(run: dict) -> dict:
+    """A pretrain_job's dict once the launch has ended: with the engine's logits and each rank's parameter count."""
+    import torch
+
+    run["logits"] = torch.load(run["dir"] / "logits.pt")
+    run["params"] = [json.loads((run["dir"] / f"params_rank{r}.json").read_text()) for r in range(run["ranks"])]
+    return run
+
+
+@pytest.fixture(scope="session")
+def deepseek_2ranks(tmp_path_factory) -> dict:
+    """One pretraining run shared by tests/test_export.py (ZeRO-3 + AutoEP export, 2 ranks) and test_pipeline.py (the
+    ZeRO-3 run the pipeline must equal): SMALL_DEEPSEEK (5 steps, log every step) through the real launcher on 2 CPU
+    ranks, fp32 ZeRO-3, AutoEP size 2, micro-batch 2, the first 200 corpus documents, `fp32_zero3`'s DS config.
+    Returns {"dir", "run" (RUN_DIR: metrics.jsonl, checkpoints/step_00000003 and step_00000005, latest = step 5),
+    "ranks": 2, "common" (the pretrain arguments), "ds" (the DS config path), "logits" (the trained engine's logits
+    for conftest.fixed_ids(), 2 x 24 x 512 fp32), "params" (each rank's local parameter count)}. Read only: copy a
+    checkpoint before changing it."""
+    tmp = tmp_path_factory.mktemp("shared") / "deepseek2"
+    tmp.mkdir(parents=True)
+    job, run = pretrain_job(tmp, SMALL_DEEPSEEK, 2, fp32_zero3(tmp / "ds.json"))
+    launch(*job, cwd=tmp)
+    return finished(run)

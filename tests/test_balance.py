@@ -1,24 +1,28 @@
 """Aux-loss-free balancing (DeepSeek-V3's routing bias) evens out expert load; the metric shows it."""
 import json
 
-from conftest import ROOT, ZERO3, launch, read_metrics
+from conftest import ROOT, ZERO3, launch_together, read_metrics
 
 TINY = (ROOT / "engine" / "recipes" / "tiny.yaml").read_text()
 
 
-def last_loads(tmp_path, rate: float) -> float:
+def job(tmp_path, rate: float) -> tuple:
     d = tmp_path / f"rate{rate}"
     d.mkdir()
     (d / "recipe.yaml").write_text(TINY.replace("balance_rate: 0.01", f"balance_rate: {rate}")
                                    .replace("max_steps: 600", "max_steps: 80"))
-    launch(1, ROOT / "bin" / "pretrain.py", "--deepspeed_config", ZERO3, "--config", d / "recipe.yaml",
-           "--run_dir", d / "run", cwd=d)
-    rows = read_metrics(d / "run")
+    return 1, ROOT / "bin" / "pretrain.py", "--deepspeed_config", ZERO3, "--config", d / "recipe.yaml", "--run_dir", d / "run"
+
+
+def last_loads(tmp_path, rate: float) -> float:
+    rows = read_metrics(tmp_path / f"rate{rate}" / "run")
     loads = [max(r["expert_load_max_over_mean"]) for r in rows[-3:]]  # worst layer, last 30 steps
     return sum(loads) / len(loads)
 
 
 def test_routing_bias_balances_expert_load(tmp_path):
+    # The two 1-rank runs are independent: side by side (conftest.launch_together), each its own launcher.
+    launch_together([job(tmp_path, 0.0), job(tmp_path, 0.01)], cwd=tmp_path)
     off, on = last_loads(tmp_path, 0.0), last_loads(tmp_path, 0.01)
     # Measured: ~3.2 (busiest expert gets 3x the mean) without balancing, ~1.1 with rate 0.01.
     assert on < 1.5 and on < 0.6 * off, (on, off)

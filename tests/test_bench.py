@@ -1,7 +1,7 @@
 """bin/bench.py runs unchanged on 2 ranks and counts the same model the same way with and without AutoEP."""
 import json
 
-from conftest import ROOT, ZERO3, launch
+from conftest import ROOT, ZERO3, launch, launch_together
 
 BENCH = ROOT / "bin" / "bench.py"
 
@@ -42,13 +42,13 @@ def test_tuned_config_trains_like_the_untuned_one_from_the_same_init(tmp_path):
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(make_hf_config(r.model, tok)).save_pretrained(tmp_path / "init")
     tok.save_pretrained(tmp_path / "init")
-    out = tmp_path / "bench.jsonl"
-    common = ("--steps", "15", "--warmup", "5", "--out", out, "--set", f"model.init_from={tmp_path / 'init'}")
-    launch(1, BENCH, "--deepspeed_config", ROOT / "ds_configs" / "zero2.json", "--label", "tuned", *common,
-           cwd=tmp_path)
-    launch(1, BENCH, "--deepspeed_config", ZERO3, "--label", "untuned", "--ds_set", "gradient_accumulation_steps=8",
-           *common, cwd=tmp_path)
-    tuned, untuned = [json.loads(line) for line in out.read_text().splitlines()]
+    common = ("--steps", "15", "--warmup", "5", "--set", f"model.init_from={tmp_path / 'init'}")
+    # Two independent 1-rank runs, side by side (conftest.launch_together), each writing its own row.
+    launch_together([(1, BENCH, "--deepspeed_config", ROOT / "ds_configs" / "zero2.json", "--label", "tuned",
+                      "--out", tmp_path / "tuned.jsonl", *common),
+                     (1, BENCH, "--deepspeed_config", ZERO3, "--label", "untuned", "--ds_set",
+                      "gradient_accumulation_steps=8", "--out", tmp_path / "untuned.jsonl", *common)], cwd=tmp_path)
+    tuned, untuned = [json.loads((tmp_path / f"{k}.jsonl").read_text()) for k in ("tuned", "untuned")]
     assert (tuned["micro"], tuned["accum"], untuned["micro"], untuned["accum"]) == (16, 4, 8, 8)
     assert len(tuned["losses"]) == len(untuned["losses"]) == 20
     assert tuned["losses"][-1] < tuned["losses"][0] - 1.0  # it trains: these steps are not all noise

@@ -1,9 +1,10 @@
-"""bin/zero_to_fp32: real checkpoints (the real launcher, 1 and 2 CPU ranks, ZeRO-3 + AutoEP) exported to
+"""bin/zero_to_fp32: real checkpoints (the real launcher, 1, 2 and 4 CPU ranks, ZeRO-3 + AutoEP) exported to
 Hugging Face format give the engine's logits; bad input gets one line, exit 2, and leaves the output alone.
 
-This file is also the helper that gets the engine's logits: started by the launcher
-(`deepspeed --num_gpus N tests/test_export.py --ids IDS --logits OUT --deepspeed_config ... --run_dir RUN`)
-it builds the engine as bin/pretrain.py does, loads RUN's latest checkpoint and saves logits for IDS.
+The runs: tests/scripts/pretrain_logits.py (bin/pretrain.py, then the trained engine's logits for fixed ids) in one
+launch per layout; the 2-rank DeepSeek-V3 run is conftest's session fixture deepseek_2ranks, shared with
+tests/test_pipeline.py. bin/zero_to_fp32 runs in this process (engine.export.main, conftest.run_in_process) except in
+test_missing_checkpoint_dir (a fresh process: only the one line on stderr) and the memory test.
 """
 from __future__ import annotations
 
@@ -17,23 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, env, launch, write_ds
+from conftest import (ROOT, SMALL_DEEPSEEK, env, finished, fixed_ids, fp32_zero3, launch, launch_together,
+                      pretrain_job, run_in_process)
 
 sys.path.insert(0, str(ROOT))
 ZERO_TO_FP32 = ROOT / "bin" / "zero_to_fp32"
 PRETRAIN = ROOT / "bin" / "pretrain.py"
 TOL = 1e-5
 
-# moe_intermediate_size != hidden_size, so a transposed expert weight cannot pass unnoticed. balance_rate > 0
-# moves DeepSeek-V3's routing bias off zero, so the exported e_score_correction_bias is exercised too.
-DEEPSEEK = """
-model: {arch: deepseek_v3, hidden_size: 32, num_layers: 3, first_dense_layers: 1, num_heads: 4,
-        intermediate_size: 64, moe_intermediate_size: 48, num_experts: 4, experts_per_token: 2,
-        num_shared_experts: 1, vocab_size: 512, max_position_embeddings: 128, kv_lora_rank: 16,
-        qk_rope_head_dim: 8, qk_nope_head_dim: 8, v_head_dim: 8}
-data: {seq_len: 32}
-train: {max_steps: 3, warmup_steps: 1, log_every: 1, balance_rate: 0.01}
-"""
 QWEN = """
 model: {arch: qwen3_moe, hidden_size: 32, num_layers: 2, num_heads: 4, num_kv_heads: 2, intermediate_size: 64,
         moe_intermediate_size: 48, num_experts: 4, experts_per_token: 2, vocab_size: 512,
@@ -43,61 +35,83 @@ train: {max_steps: 3, warmup_steps: 1, log_every: 1}
 """
 
 
-def fixed_ids() -> torch.Tensor:
-    return torch.randint(3, 483, (2, 24), generator=torch.Generator().manual_seed(0))
-
-
-def train_and_probe(tmp: Path, recipe: str, ranks: int, preset: str, autoep_size="auto") -> dict:
-    """Train a few steps with bin/pretrain.py, then get the engine's logits from the saved checkpoint."""
-    common = pretrain(tmp, recipe, ranks, preset, autoep_size)
-    torch.save(fixed_ids(), tmp / "ids.pt")
-    launch(ranks, Path(__file__), "--ids", tmp / "ids.pt", "--logits", tmp / "logits.pt", *common, cwd=tmp)
-    return {"dir": tmp, "run": tmp / "run", "logits": torch.load(tmp / "logits.pt"), "ranks": ranks}
+def layout(tmp: Path, recipe: str, ranks: int, preset: str, autoep_size="auto") -> tuple[tuple, dict]:
+    """The launch that trains `recipe` on `ranks` CPU ranks in fp32 and gets the engine's logits (conftest.pretrain_job)."""
+    tmp.mkdir(parents=True)
+    return pretrain_job(tmp, recipe, ranks, fp32_zero3(tmp / "ds.json", preset, autoep_size))
 
 
 def pretrain(tmp: Path, recipe: str, ranks: int, preset: str, autoep_size="auto") -> list:
     """bin/pretrain.py on `ranks` CPU ranks in fp32 into tmp/run; returns its arguments (without the script)."""
-    tmp.mkdir(parents=True)
-    (tmp / "recipe.yaml").write_text(recipe)
-    lines = (ROOT / "engine" / "assets" / "corpus.jsonl").read_text().splitlines()[:200]
-    (tmp / "corpus.jsonl").write_text("\n".join(lines) + "\n")  # small: tokenizing stays quick
-    zero3 = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())
-    ds = write_ds(tmp / "ds.json", drop=("bf16",), train_micro_batch_size_per_gpu=2,  # fp32 for a 1e-5 bound
-                  expert_parallel={**zero3["expert_parallel"], "preset_model": preset, "autoep_size": autoep_size})
-    common = ["--deepspeed_config", ds, "--config", tmp / "recipe.yaml", "--run_dir", tmp / "run",
-              "--data", tmp / "corpus.jsonl"]
-    launch(ranks, PRETRAIN, *common, cwd=tmp)
-    return common
+    _, run = layout(tmp, recipe, ranks, preset, autoep_size)
+    launch(ranks, PRETRAIN, *run["common"], cwd=tmp)
+    return run["common"]
 
 
 @pytest.fixture(scope="module")
-def deepseek2(tmp_path_factory):
-    return train_and_probe(tmp_path_factory.mktemp("export") / "deepseek2", DEEPSEEK, 2, "deepseek_v3")
+def deepseek2(deepseek_2ranks):
+    return deepseek_2ranks
 
 
 @pytest.fixture(scope="module")
-def deepseek1(tmp_path_factory):
-    return train_and_probe(tmp_path_factory.mktemp("export") / "deepseek1", DEEPSEEK, 1, "deepseek_v3")
+def one_rank(tmp_path_factory):
+    """DeepSeek-V3 and Qwen3-MoE on 1 rank: two independent launches, side by side (conftest.launch_together)."""
+    tmp = tmp_path_factory.mktemp("export")
+    (ds_job, ds_run), (qw_job, qw_run) = (layout(tmp / "deepseek1", SMALL_DEEPSEEK, 1, "deepseek_v3"),
+                                          layout(tmp / "qwen1", QWEN, 1, "qwen3_moe"))
+    launch_together([ds_job, qw_job], cwd=tmp)
+    return {"deepseek1": finished(ds_run), "qwen1": finished(qw_run)}
+
+
+@pytest.fixture(scope="module")
+def deepseek1(one_rank):
+    return one_rank["deepseek1"]
+
+
+@pytest.fixture(scope="module")
+def qwen1(one_rank):
+    return one_rank["qwen1"]
 
 
 @pytest.fixture(scope="module")
 def qwen4(tmp_path_factory):
     # 4 ranks, expert parallel 2: each expert slice is also ZeRO-partitioned over 2 ranks (expert data parallel).
-    return train_and_probe(tmp_path_factory.mktemp("export") / "qwen4", QWEN, 4, "qwen3_moe", autoep_size=2)
+    tmp = tmp_path_factory.mktemp("export") / "qwen4"
+    job, run = layout(tmp, QWEN, 4, "qwen3_moe", autoep_size=2)
+    launch(*job, cwd=tmp)
+    return finished(run)
 
 
 @pytest.fixture(scope="module")
 def qwen2(tmp_path_factory):
     # 2 ranks, expert parallel 2: each rank holds 2 of the 4 experts whole, dense parameters half each.
-    return train_and_probe(tmp_path_factory.mktemp("export") / "qwen2", QWEN, 2, "qwen3_moe", autoep_size=2)
+    tmp = tmp_path_factory.mktemp("export") / "qwen2"
+    job, run = layout(tmp, QWEN, 2, "qwen3_moe", autoep_size=2)
+    launch(*job, cwd=tmp)
+    return finished(run)
 
 
-@pytest.fixture(scope="module")
-def qwen1(tmp_path_factory):
-    return train_and_probe(tmp_path_factory.mktemp("export") / "qwen1", QWEN, 1, "qwen3_moe")
+@pytest.fixture(autouse=True)
+def _in_process(capfd, monkeypatch):
+    """bin/zero_to_fp32 in this process for every test here (see zero_to_fp32)."""
+    global CAPTURE
+    CAPTURE = (capfd, monkeypatch)
+    yield
+    CAPTURE = None
+
+
+CAPTURE = None
 
 
 def zero_to_fp32(*args) -> subprocess.CompletedProcess:
+    """`bin/zero_to_fp32 ARGS`: its main in this process, everything written to fds 1 and 2 captured."""
+    from engine.export import main
+
+    return run_in_process(main, list(args), *CAPTURE)
+
+
+def zero_to_fp32_process(*args) -> subprocess.CompletedProcess:
+    """`bin/zero_to_fp32 ARGS` in a fresh process."""
     return subprocess.run([sys.executable, str(ZERO_TO_FP32), *map(str, args)], env=env(), capture_output=True,
                           text=True, timeout=300)
 
@@ -318,7 +332,8 @@ def untouched(out: Path) -> None:
 
 
 def test_missing_checkpoint_dir(tmp_path):
-    p = zero_to_fp32(tmp_path / "nope", tmp_path / "out")
+    """Through a fresh process: the one line is all it writes to stderr (no import-time warning)."""
+    p = zero_to_fp32_process(tmp_path / "nope", tmp_path / "out")
     refused(p, "no such directory")
     assert not (tmp_path / "out").exists()
 
@@ -413,36 +428,3 @@ def test_shapes_that_do_not_match_the_recorded_config(deepseek2, existing_output
     reseal(tag)  # not damaged: a consistent checkpoint whose recorded config is not the one its shards have
     refused(zero_to_fp32(tag, existing_output, "--force"), "does not match", "gate_up_proj")
     untouched(existing_output)
-
-
-# ------------------------------------------------------------------------------- helper: the engine's logits
-
-
-def dump_engine_logits() -> None:
-    """Launcher entry: load the run's latest checkpoint into a DeepSpeed engine, save its logits (rank 0)."""
-    import argparse
-
-    from engine import checkpoint, pretrain
-    from engine.model import build_model
-    from engine.parallel import build_engine, init_distributed, model_dtype, world_from_env
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ids", required=True)
-    ap.add_argument("--logits", required=True)
-    own, rest = ap.parse_known_args()
-    args = pretrain.parse_args(rest)
-    world = world_from_env()
-    recipe, ds, tok = pretrain.preflight(args, world)
-    init_distributed()
-    engine = build_engine(build_model(recipe.model, ds, tok, dtype=model_dtype(ds)), ds, recipe.train)
-    checkpoint.load(engine, recipe.run_dir)
-    engine.eval()
-    with torch.no_grad():
-        logits = engine(input_ids=torch.load(own.ids).to(engine.device)).logits.float().cpu()
-    if world.rank == 0:
-        torch.save(logits, own.logits)
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    dump_engine_logits()

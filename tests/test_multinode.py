@@ -31,7 +31,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from conftest import DEEPSPEED, ROOT, env, free_port, read_metrics
+from conftest import DEEPSPEED, ROOT, env, free_port, read_metrics, run_in_process
 
 from engine.cluster import InputError, parse_hostfile, read_deepspeed_env
 
@@ -404,6 +404,15 @@ def check_cluster(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     return p
 
 
+def check_cluster_in_process(cwd: Path, capfd, monkeypatch, *args: str) -> subprocess.CompletedProcess:
+    """check_cluster's main in this process, from `cwd` (conftest.run_in_process)."""
+    from engine.cluster import main
+
+    p = run_in_process(main, list(args), capfd, monkeypatch, cwd=cwd)
+    print(p.stdout, p.stderr)
+    return p
+
+
 def test_check_cluster_prints_the_table_and_bus_bandwidth(cluster):
     p = run_block(cluster, "check", capture_output=True, text=True, timeout=600)
     print(p.stdout, p.stderr)
@@ -432,18 +441,22 @@ def test_check_cluster_one_host_runs_locally_without_ssh(cluster, tmp_path):
     (f"{NODE0} slots=1\n{NODE1} slots=1\n{NODE0} slots=1\n", 2, "line 3: host 127.0.0.2 is listed twice"),
     (f"{NODE0} slots=1\n{NOWHERE} slots=1\n", 1, "host 127.0.0.9: SSH failed"),
 ], ids=["malformed", "slots0", "duplicate", "unreachable"])
-def test_check_cluster_bad_hostfile_one_line_and_nonzero_exit(cluster, tmp_path, text, code, message):
+def test_check_cluster_bad_hostfile_one_line_and_nonzero_exit(cluster, tmp_path, text, code, message, capfd,
+                                                             monkeypatch):
+    """bin/check_cluster's main in this process (conftest.run_in_process); its fresh-process runs are the two tests
+    above, whose stderr must stay empty."""
     (tmp_path / "hosts").write_text(text)
-    p = check_cluster(cluster.work, "--hostfile", str(tmp_path / "hosts"), "--master_addr", NODE0)
+    p = check_cluster_in_process(cluster.work, capfd, monkeypatch, "--hostfile", str(tmp_path / "hosts"),
+                                 "--master_addr", NODE0)
     assert p.returncode == code, p.stdout + p.stderr
     err = p.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("check_cluster: ") and message in err[0], err
 
 
-def test_check_cluster_refuses_a_deepspeed_env_the_runner_would_choke_on(tmp_path):
+def test_check_cluster_refuses_a_deepspeed_env_the_runner_would_choke_on(tmp_path, capfd, monkeypatch):
     (tmp_path / "hosts").write_text(f"{NODE0} slots=1\n{NODE1} slots=1\n")
     (tmp_path / ".deepspeed_env").write_text("# the private interface\nNCCL_SOCKET_IFNAME=eth1\n")
-    p = check_cluster(tmp_path, "--hostfile", "hosts")
+    p = check_cluster_in_process(tmp_path, capfd, monkeypatch, "--hostfile", "hosts")
     assert p.returncode == 2
     err = p.stderr.strip().splitlines()
     assert len(err) == 1 and ".deepspeed_env line 1: '# the private interface' is not KEY=VALUE" in err[0], err

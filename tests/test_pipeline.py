@@ -11,24 +11,22 @@ fp32 (the shipped bf16 dropped), so differences are summation order only. Measur
 bitwise equal to ZeRO-3's (ZeRO-3 with expert parallel 2, the pipeline with expert parallel 1 per stage),
 exported logits within 1e-6 of the engine's.
 
-This file is also the helper that gets the pipeline engine's logits: started by the launcher
-(`deepspeed --num_gpus 2 tests/test_pipeline.py --ids IDS --logits OUT --deepspeed_config ... --run_dir RUN`) it
-builds the engine as bin/pretrain.py does, loads RUN's latest checkpoint and saves the last stage's logits.
+The runs: the pipeline's launch is tests/scripts/pretrain_logits.py (bin/pretrain.py, then the trained pipeline
+engine's logits); the ZeRO-3 run it must equal is conftest's deepseek_2ranks, shared with tests/test_export.py.
 """
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT, env, launch, read_metrics, write_ds
-from test_export import QWEN, fixed_ids  # the same Qwen3 model and probe ids as the ZeRO-3 export tests
+from conftest import (ROOT, SMALL_DEEPSEEK, env, finished, fixed_ids, launch, pretrain_job, read_metrics,
+                      run_in_process, small_corpus, write_ds)
+from test_export import QWEN  # the same Qwen3 model as the ZeRO-3 export tests
 
 sys.path.insert(0, str(ROOT))
 PRETRAIN = ROOT / "bin" / "pretrain.py"
@@ -50,25 +48,25 @@ checkpoint: {every_steps: 3}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The same recipe, seed and global batch (4 sequences) as a 2-stage pipeline and as ZeRO-3, on 2 ranks."""
+def runs(tmp_path_factory, deepseek_2ranks):
+    """The same recipe, seed and global batch (4 sequences) as a 2-stage pipeline and as ZeRO-3, on 2 ranks; the ZeRO-3
+    run is conftest's deepseek_2ranks (shared with tests/test_export.py). The pipeline launch also saves its trained
+    engine's logits for conftest.fixed_ids() (tests/scripts/pretrain_logits.py)."""
     tmp = tmp_path_factory.mktemp("pipeline")
-    (tmp / "recipe.yaml").write_text(RECIPE)
-    lines = (ROOT / "engine" / "assets" / "corpus.jsonl").read_text().splitlines()[:200]
-    (tmp / "corpus.jsonl").write_text("\n".join(lines) + "\n")
+    assert RECIPE == SMALL_DEEPSEEK
     # pipeline: 2 stages x data-parallel 1, 2 micro-batches of 2; ZeRO-3: 2 ranks x 1 micro-batch of 2
     pipe = write_ds(tmp / "pipe.json", base=PIPE, drop=("bf16",), train_micro_batch_size_per_gpu=2,
                     gradient_accumulation_steps=2)
-    zero3 = write_ds(tmp / "zero3.json", drop=("bf16",), train_micro_batch_size_per_gpu=2,
-                     gradient_accumulation_steps=1)
+    job, run = pretrain_job(tmp, RECIPE, 2, pipe, corpus=small_corpus(tmp / "corpus.jsonl"), run_name="pipe")
+    launch(*job, cwd=tmp)
+    finished(run)
     common = ["--config", tmp / "recipe.yaml", "--data", tmp / "corpus.jsonl"]
-    launch(2, PRETRAIN, "--deepspeed_config", pipe, "--run_dir", tmp / "pipe", *common, cwd=tmp)
-    launch(2, PRETRAIN, "--deepspeed_config", zero3, "--run_dir", tmp / "zero3", *common, cwd=tmp)
-    return {"dir": tmp, "pipe_ds": pipe, "common": common}
+    return {"dir": tmp, "pipe_ds": pipe, "common": common, "zero3": deepseek_2ranks["run"],
+            "probe": {"run": tmp / "pipe", "logits": run["logits"], "params": run["params"]}}
 
 
 def test_losses_match_zero3(runs):
-    pipe, zero3 = read_metrics(runs["dir"] / "pipe"), read_metrics(runs["dir"] / "zero3")
+    pipe, zero3 = read_metrics(runs["dir"] / "pipe"), read_metrics(runs["zero3"])
     assert [r["step"] for r in pipe] == [r["step"] for r in zero3] == [1, 2, 3, 4, 5]
     diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(pipe, zero3))
     print(f"\nmax |loss pipeline - loss ZeRO-3| over 5 steps: {diff:.3g}; "
@@ -105,30 +103,19 @@ def test_resume_continues_like_the_uninterrupted_run(runs, tmp_path):
         assert (a["loss"], a["expert_load_max_over_mean"]) == (b["loss"], b["expert_load_max_over_mean"])
 
 
-def probe(tmp: Path, ds: Path, run: Path, common: list) -> dict:
-    """The pipeline engine's logits for fixed ids after loading `run`'s last checkpoint, each rank's parameter
-    count."""
-    torch.save(fixed_ids(), tmp / "ids.pt")
-    launch(2, Path(__file__), "--ids", tmp / "ids.pt", "--logits", tmp / "logits.pt", "--deepspeed_config", ds,
-           "--run_dir", run, *common, cwd=tmp)
-    counts = [json.loads((tmp / f"params_rank{r}.json").read_text()) for r in range(2)]
-    return {"run": run, "logits": torch.load(tmp / "logits.pt"), "params": counts}
-
-
 @pytest.fixture(scope="module")
 def deepseek_probe(runs):
-    return probe(runs["dir"], runs["pipe_ds"], runs["dir"] / "pipe", runs["common"])
+    """The pipeline engine's logits for fixed ids after its last step (= its last checkpoint), each rank's parameter
+    count."""
+    return runs["probe"]
 
 
 @pytest.fixture(scope="module")
 def qwen_probe(runs):
     """Qwen3-MoE through the same path (AutoEP's Qwen3 layer also exposes its router as `mlp.gate`)."""
-    tmp = runs["dir"] / "qwen"
-    tmp.mkdir()
-    (tmp / "recipe.yaml").write_text(QWEN)
-    common = ["--config", tmp / "recipe.yaml", "--data", runs["dir"] / "corpus.jsonl"]
-    launch(2, PRETRAIN, "--deepspeed_config", runs["pipe_ds"], "--run_dir", tmp / "pipe", *common, cwd=tmp)
-    return probe(tmp, runs["pipe_ds"], tmp / "pipe", common)
+    job, run = pretrain_job(runs["dir"] / "qwen", QWEN, 2, runs["pipe_ds"], corpus=runs["dir"] / "corpus.jsonl")
+    launch(*job, cwd=runs["dir"] / "qwen")
+    return finished(run)
 
 
 def zero_to_fp32(*args) -> subprocess.CompletedProcess:
@@ -161,7 +148,7 @@ def test_export_has_the_layout_of_a_zero3_export(runs, tmp_path):
     from safetensors.torch import load_file
 
     out, ref = tmp_path / "hf", tmp_path / "hf_zero3"
-    for run, dest in ((runs["dir"] / "pipe", out), (runs["dir"] / "zero3", ref)):
+    for run, dest in ((runs["dir"] / "pipe", out), (runs["zero3"], ref)):
         p = zero_to_fp32(run, dest)
         assert p.returncode == 0, p.stdout + p.stderr
 
@@ -206,12 +193,15 @@ BAD = {  # case: (world size, changes to pipe.json, what the line must say); the
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
-def test_bad_pipeline_config_is_one_line_and_exit_2(tmp_path, case):
+def test_bad_pipeline_config_is_one_line_and_exit_2(tmp_path, case, capfd, monkeypatch):
+    """bin/pretrain.py's main in this process as rank 0 of `world` (conftest.run_in_process; the fresh-process
+    check of the same path is tests/test_pretrain.py's test_bad_input_from_the_command_line_is_all_it_prints)."""
+    from engine.pretrain import main
+
     world, changes, expect = BAD[case]
     ds = write_ds(tmp_path / "ds.json", base=PIPE, **changes)
-    cmd = [sys.executable, str(PRETRAIN), "--deepspeed_config", str(ds), "--run_dir", str(tmp_path / "run")]
-    e = env(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world), LOCAL_SIZE=str(world))
-    p = subprocess.run(cmd, cwd=tmp_path, env=e, capture_output=True, text=True, timeout=120)
+    p = run_in_process(main, ["--deepspeed_config", ds, "--run_dir", tmp_path / "run"], capfd, monkeypatch,
+                       cwd=tmp_path, RANK=0, LOCAL_RANK=0, WORLD_SIZE=world, LOCAL_SIZE=world)
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), p.stderr[-2000:]
     for text in expect:
@@ -220,15 +210,17 @@ def test_bad_pipeline_config_is_one_line_and_exit_2(tmp_path, case):
 
 
 @pytest.mark.parametrize("other", ["zero3", "world"])
-def test_resume_refuses_another_mode_or_world(runs, tmp_path, other):
-    """A pipeline checkpoint resumed as ZeRO-3, or on another world size: one line, exit 2, checkpoint untouched."""
+def test_resume_refuses_another_mode_or_world(runs, tmp_path, other, capfd, monkeypatch):
+    """A pipeline checkpoint resumed as ZeRO-3, or on another world size: one line, exit 2, checkpoint untouched.
+    bin/pretrain.py's main in this process as rank 0 (conftest.run_in_process)."""
+    from engine.pretrain import main
+
     ds = write_ds(tmp_path / "zero3.json", drop=("bf16",)) if other == "zero3" else runs["pipe_ds"]
     world = 2 if other == "zero3" else 4
-    cmd = [sys.executable, str(PRETRAIN), "--deepspeed_config", str(ds), "--run_dir", str(runs["dir"] / "pipe"),
-           "--resume", *map(str, runs["common"])]
-    e = env(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world), LOCAL_SIZE=str(world))
+    argv = ["--deepspeed_config", ds, "--run_dir", runs["dir"] / "pipe", "--resume", *runs["common"]]
     before = sorted((runs["dir"] / "pipe" / "checkpoints").rglob("*"))
-    p = subprocess.run(cmd, cwd=tmp_path, env=e, capture_output=True, text=True, timeout=120)
+    p = run_in_process(main, argv, capfd, monkeypatch, cwd=tmp_path, RANK=0, LOCAL_RANK=0, WORLD_SIZE=world,
+                       LOCAL_SIZE=world)
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: --resume: "), p.stderr[-2000:]
     assert ("saved with 2 pipeline stages, the DeepSpeed config has no pipeline" if other == "zero3"
@@ -259,37 +251,3 @@ def test_bench_accepts_the_pipeline_config(tmp_path):
     assert row["params_m"] == round(sum(t.numel() for t in hf.parameters()) / 1e6, 3)  # both stages counted
     assert row["tokens_per_s_per_gpu"] > 0 and 0 < row["mfu"] < 1 and row["loss"] > 0
     assert "tokens_per_s_per_gpu" in p.stdout  # the table
-
-
-# ------------------------------------------------------------------------------- helper: the engine's logits
-
-
-def dump_engine_logits() -> None:
-    """Launcher entry: build the pipeline engine, load the run's latest checkpoint, save the last stage's logits
-    for --ids and each rank's parameter count."""
-    import argparse
-
-    from engine import checkpoint, pretrain
-    from engine.parallel import init_distributed, world_from_env
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ids", required=True)
-    ap.add_argument("--logits", required=True)
-    own, rest = ap.parse_known_args()
-    args = pretrain.parse_args(rest)
-    world = world_from_env()
-    recipe, ds, tok = pretrain.preflight(args, world)
-    init_distributed()
-    engine, _ = pretrain.build(recipe, ds, tok, world)
-    checkpoint.load(engine, recipe.run_dir)
-    ids = torch.load(own.ids)
-    _, logits = engine.eval_batch(iter([(ids, ids)]), return_logits=True, num_micro_batches=1)
-    count = sum(p.numel() for p in engine.module.parameters())
-    Path(own.logits).with_name(f"params_rank{world.rank}.json").write_text(json.dumps(count))
-    if engine.is_last_stage():
-        torch.save(logits.float().cpu(), own.logits)
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    dump_engine_logits()

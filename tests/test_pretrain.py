@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, ZERO3, env, read_metrics, write_ds
+from conftest import ROOT, ZERO3, env, read_metrics, run_in_process, write_ds
 
 from engine.config import RECIPES, ConfigError, load_recipe
 from engine.ds_config import auto_autoep_size, read_ds_config, resolve_ds_config
@@ -121,15 +121,27 @@ def test_recipe_reports_every_problem_at_once(tmp_path):
     assert "train.max_steps: must be >= 1" in msg
 
 
-def run_cli(tmp_path, *args, world: int = 1, recipe: str | None = None):
-    """bin/pretrain.py as the launcher would start rank 0 of `world`; returns the finished process."""
-    cmd = [sys.executable, str(PRETRAIN), *map(str, args)]
+def cli_args(tmp_path, args, recipe: str | None) -> list[str]:
+    argv = list(map(str, args))
     if recipe is not None:
         (tmp_path / "recipe.yaml").write_text(recipe)
-        cmd += ["--config", str(tmp_path / "recipe.yaml")]
-    cmd += ["--run_dir", str(tmp_path / "run")]
+        argv += ["--config", str(tmp_path / "recipe.yaml")]
+    return argv + ["--run_dir", str(tmp_path / "run")]
+
+
+def run_cli(tmp_path, *args, world: int = 1, recipe: str | None = None):
+    """bin/pretrain.py as the launcher would start rank 0 of `world`; returns the finished process."""
+    cmd = [sys.executable, str(PRETRAIN), *cli_args(tmp_path, args, recipe)]
     e = env(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world), LOCAL_SIZE=str(world))
     return subprocess.run(cmd, cwd=tmp_path, env=e, capture_output=True, text=True, timeout=120)
+
+
+def run_in_this_process(tmp_path, *args, world: int = 1, recipe: str | None = None, capfd, monkeypatch):
+    """run_cli's run, in this process (conftest.run_in_process)."""
+    from engine.pretrain import main
+
+    return run_in_process(main, cli_args(tmp_path, args, recipe), capfd, monkeypatch, cwd=tmp_path, RANK=0,
+                          LOCAL_RANK=0, WORLD_SIZE=world, LOCAL_SIZE=world)
 
 
 TINY = (RECIPES / "tiny.yaml").read_text()
@@ -150,7 +162,34 @@ TINY = (RECIPES / "tiny.yaml").read_text()
     ("recipe_and_json_together", "train.max_step: unknown key"),
     ("ds_and_data_together", "train_batch_size (10) != "),
 ])
-def test_bad_input_is_one_clear_line_before_any_work(tmp_path, case, expect):
+def test_bad_input_is_one_clear_line_before_any_work(tmp_path, case, expect, capfd, monkeypatch):
+    """engine.pretrain.main (what bin/pretrain.py runs) in this process, as rank 0 of `world`: exit 2, one line on
+    stderr, nothing written. The same through a fresh process: test_bad_input_from_the_command_line_is_all_it_prints."""
+    p = bad_input(tmp_path, case, lambda *a, **k: run_in_this_process(*a, capfd=capfd, monkeypatch=monkeypatch, **k))
+    assert p.returncode == 2, p.stderr[-2000:]
+    if case == "recipe_and_json_together":
+        assert f"; DeepSpeed config {tmp_path / 'ds.json'}: malformed JSON at line 1" in p.stderr, p.stderr
+    if case == "ds_and_data_together":
+        assert "data.path /nonexistent/corpus.jsonl: no such file or folder" in p.stderr, p.stderr
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], p.stderr
+    assert not (tmp_path / "run").exists()  # nothing started, nothing written
+
+
+def test_bad_input_from_the_command_line_is_all_it_prints(tmp_path):
+    """One case of the test above through `python bin/pretrain.py` in a fresh process, as the launcher starts rank 0:
+    nothing else on stderr (no import-time warning), exit 2, nothing written."""
+    p = bad_input(tmp_path, "recipe_and_json_together", run_cli)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert f"; DeepSpeed config {tmp_path / 'ds.json'}: malformed JSON at line 1" in p.stderr, p.stderr
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "train.max_step: unknown key" in lines[0], p.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def bad_input(tmp_path, case: str, run):
+    """Set up `case`'s broken input in tmp_path and run bin/pretrain.py's main on it with `run` (run_cli's
+    signature); returns the finished run."""
     ds, args, recipe, world = ZERO3, [], None, 1
     if case == "unknown_key":
         recipe = TINY.replace("max_steps: 600", "max_step: 600")
@@ -182,15 +221,7 @@ def test_bad_input_is_one_clear_line_before_any_work(tmp_path, case, expect):
         args = ["--resume"]
     elif case in ("compile_under_zero3", "compile_bad_value"):
         recipe = TINY.replace("max_steps: 600", "max_steps: 600\n  compile: " + ("true" if case == "compile_under_zero3" else "fast"))
-    p = run_cli(tmp_path, "--deepspeed_config", ds, *args, world=world, recipe=recipe)
-    assert p.returncode == 2, p.stderr[-2000:]
-    if case == "recipe_and_json_together":
-        assert f"; DeepSpeed config {ds}: malformed JSON at line 1" in p.stderr, p.stderr
-    if case == "ds_and_data_together":
-        assert "data.path /nonexistent/corpus.jsonl: no such file or folder" in p.stderr, p.stderr
-    lines = [line for line in p.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], p.stderr
-    assert not (tmp_path / "run").exists()  # nothing started, nothing written
+    return run(tmp_path, "--deepspeed_config", ds, *args, world=world, recipe=recipe)
 
 
 def test_metrics_and_overrides_reach_the_run(tmp_path):
@@ -236,14 +267,25 @@ def test_plain_text_files_are_documents_one_per_line(tmp_path):
     assert sorted(docs["text"]) == ["first document", "second one", "third"]
 
 
-@pytest.mark.parametrize("name", ["zero3_offload.json", "zero3_bf16_states.json"])
-def test_one_big_model_configs_train_the_default_on_two_cpu_ranks(tmp_path, name):
+BIG_MODEL_CONFIGS = ["zero3_offload.json", "zero3_bf16_states.json"]
+
+
+@pytest.fixture(scope="module")
+def big_model_config_runs(tmp_path_factory) -> dict:
+    """Each config of BIG_MODEL_CONFIGS as shipped, 20 steps of the tiny default on 2 CPU ranks; the two launches
+    side by side (conftest.launch_together)."""
+    from conftest import launch_together
+
+    tmp = tmp_path_factory.mktemp("big_model_configs")
+    launch_together([(2, PRETRAIN, "--deepspeed_config", ROOT / "ds_configs" / name, "--max_steps", "20",
+                      "--run_dir", tmp / name / "run") for name in BIG_MODEL_CONFIGS], cwd=tmp)
+    return {name: tmp / name / "run" for name in BIG_MODEL_CONFIGS}
+
+
+@pytest.mark.parametrize("name", BIG_MODEL_CONFIGS)
+def test_one_big_model_configs_train_the_default_on_two_cpu_ranks(big_model_config_runs, name):
     """The single-GPU configs for big models (CPU optimizer offload; bf16 optimizer states) as shipped: through
     the launcher on 2 CPU ranks they train the tiny default (the GPU figures are in docs/benchmarks.md)."""
-    from conftest import launch
-
-    launch(2, PRETRAIN, "--deepspeed_config", ROOT / "ds_configs" / name, "--max_steps", "20",
-           "--run_dir", tmp_path / "run", cwd=tmp_path)
-    rows = read_metrics(tmp_path / "run")
+    rows = read_metrics(big_model_config_runs[name])
     assert [r["step"] for r in rows] == [10, 20] and rows[-1]["world_size"] == 2
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.3, rows

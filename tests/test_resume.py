@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import DEEPSPEED, ROOT, env, free_port, read_metrics, write_ds
+from conftest import DEEPSPEED, ROOT, env, free_port, read_metrics, run_in_process, write_ds
 
 HOOKS = ROOT / "tests" / "scripts" / "pretrain_hooks.py"
 PRETRAIN = ROOT / "bin" / "pretrain.py"
@@ -179,16 +178,45 @@ def test_keep_last_prunes_old_checkpoints(base, reference):
 @pytest.fixture(scope="module")
 def stopped(base) -> dict:
     """SIGTERM to the launcher (deepspeed.launcher.launch) mid-run: it forwards SIGTERM to rank 0 only (then waits
-    up to 30 s before rank 1); rank 1 learns through the all-reduce at the step boundary."""
-    run = base / "stop"
-    p = start(base, "stop", HOOK_STEP_SLEEP=1)
-    wait_until(p, lambda: logged(run) >= 2)
-    launcher = next(c for c in psutil.Process(p.pid).children() if "deepspeed.launcher.launch" in " ".join(c.cmdline()))
-    launcher.send_signal(signal.SIGTERM)
-    rc = finish(p)
+    up to 30 s before rank 1); rank 1 learns through the all-reduce at the step boundary.
+
+    Beside it, from the same start, the run of test_ctrl_c_to_the_process_group_saves_and_exits: Ctrl-C in a terminal,
+    SIGINT to the runner, the launcher and every rank at once (key "ctrl_c"). The two runs are independent launches
+    that sleep 1 s at each step boundary, so they share the 2 cores well while both start."""
+    run, run_c = base / "stop", base / "ctrl_c"
+    p, p_c = start(base, "stop", HOOK_STEP_SLEEP=1), start(base, "ctrl_c", HOOK_STEP_SLEEP=1)
+    t0 = time.time()
+    procs = None
+    try:
+        pending = {"stop", "ctrl_c"}
+        while pending:  # each signal as soon as its run is where its test wants it
+            if "ctrl_c" in pending and logged(run_c) >= 1:
+                procs = psutil.Process(p_c.pid).children(recursive=True)
+                os.killpg(p_c.pid, signal.SIGINT)
+                pending.discard("ctrl_c")
+            if "stop" in pending and logged(run) >= 2:
+                launcher = next(c for c in psutil.Process(p.pid).children()
+                                if "deepspeed.launcher.launch" in " ".join(c.cmdline()))
+                launcher.send_signal(signal.SIGTERM)
+                pending.discard("stop")
+            for q, name in ((p, "stop"), (p_c, "ctrl_c")):
+                if name in pending and q.poll() is not None:
+                    raise AssertionError(f"run {name} ended (rc {q.returncode}) before its signal\n"
+                                         f"{q.log.read_text()[-4000:]}")
+            time.sleep(0.05)
+            if time.time() > t0 + 300:
+                raise AssertionError(f"no signal point within 300 s: {pending}\n{p.log.read_text()[-2000:]}"
+                                     f"\n{p_c.log.read_text()[-2000:]}")
+        finish(p_c)  # the runner dies at once (KeyboardInterrupt); the ranks are still saving: wait for them
+        psutil.wait_procs(procs, timeout=120)
+        rc = finish(p)
+    finally:
+        for q in (p, p_c):
+            if q.poll() is None:
+                os.killpg(q.pid, signal.SIGKILL)
     buffers = torch.load(run / "checkpoints" / latest(run) / "buffers.pt")  # before later saves prune it
     return {"rc": rc, "ranks": [hook(p, r) for r in (0, 1)], "rows": read_metrics(run), "latest": latest(run),
-            "log": p.log.read_text(), "bias": {n: b.tolist() for n, b in buffers.items()}}
+            "log": p.log.read_text(), "bias": {n: b.tolist() for n, b in buffers.items()}, "ctrl_c": p_c}
 
 
 def test_sigterm_to_the_launcher_saves_at_the_next_step_and_exits(stopped):
@@ -200,15 +228,9 @@ def test_sigterm_to_the_launcher_saves_at_the_next_step_and_exits(stopped):
     assert f"stopped by signal {int(signal.SIGTERM)} after step {last}" in stopped["log"]
 
 
-def test_ctrl_c_to_the_process_group_saves_and_exits(base):
-    """Ctrl-C in a terminal: SIGINT reaches the runner, the launcher and every rank at once."""
-    run = base / "ctrl_c"
-    p = start(base, "ctrl_c", HOOK_STEP_SLEEP=1)
-    wait_until(p, lambda: logged(run) >= 1)
-    procs = psutil.Process(p.pid).children(recursive=True)
-    os.killpg(p.pid, signal.SIGINT)
-    finish(p)  # the runner dies at once (KeyboardInterrupt); the ranks are still saving: wait for them
-    psutil.wait_procs(procs, timeout=120)
+def test_ctrl_c_to_the_process_group_saves_and_exits(base, stopped):
+    """Ctrl-C in a terminal: SIGINT reaches the runner, the launcher and every rank at once (run by `stopped`)."""
+    run, p = base / "ctrl_c", stopped["ctrl_c"]
     assert [hook(p, r)["rc"] for r in (0, 1)] == [0, 0], p.log.read_text()[-3000:]
     last = read_metrics(run)[-1]["step"]
     assert last < STEPS and latest(run) == tag(last)
@@ -238,12 +260,14 @@ def test_resume_on_one_rank_from_a_two_rank_checkpoint(base, reference, stopped)
         assert abs(r["loss"] - ref["loss"]) < 5e-6 * ref["loss"], (r, ref)
 
 
-def resume_rank0(base: Path, run: Path, recipe: Path | None = None) -> subprocess.CompletedProcess:
-    """bin/pretrain.py --resume as the launcher would start rank 0 of 2 ranks (preflight stops it alone)."""
-    cmd = [sys.executable, PRETRAIN, "--deepspeed_config", base / "ds2.json", "--config", recipe or base / "recipe.yaml",
-           "--run_dir", run, "--resume"]
-    e = env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_SIZE="2")
-    return subprocess.run(list(map(str, cmd)), cwd=base, env=e, capture_output=True, text=True, timeout=300)
+def resume_rank0(base: Path, run: Path, capfd, monkeypatch, recipe: Path | None = None) -> subprocess.CompletedProcess:
+    """bin/pretrain.py --resume as the launcher would start rank 0 of 2 ranks (preflight stops it alone): its main in
+    this process (conftest.run_in_process). Through the real launcher: test_damaged_checkpoint_through_the_launcher."""
+    from engine.pretrain import main
+
+    argv = ["--deepspeed_config", base / "ds2.json", "--config", recipe or base / "recipe.yaml", "--run_dir", run,
+            "--resume"]
+    return run_in_process(main, argv, capfd, monkeypatch, cwd=base, RANK=0, LOCAL_RANK=0, WORLD_SIZE=2, LOCAL_SIZE=2)
 
 
 def damage(run: Path, case: str, tmp_path: Path) -> Path | None:
@@ -275,12 +299,12 @@ def damage(run: Path, case: str, tmp_path: Path) -> Path | None:
     ("flipped_byte", "zero_pp_rank_0_mp_rank_00_optim_states.pt fails its CRC check"),
     ("missing_file", "rng_rank1.pt is missing"),
 ])
-def test_bad_resume_is_one_clear_line_before_any_work(base, reference, tmp_path, case, expect):
+def test_bad_resume_is_one_clear_line_before_any_work(base, reference, tmp_path, case, expect, capfd, monkeypatch):
     run = tmp_path / "run"
     shutil.copytree(base / "ref", run)
     recipe = damage(run, case, tmp_path)
     before = tree_digest(run)
-    p = resume_rank0(base, run, recipe)
+    p = resume_rank0(base, run, capfd, monkeypatch, recipe)
     assert p.returncode == 2, p.stderr[-3000:]
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], p.stderr[-3000:]

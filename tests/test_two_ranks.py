@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, launch, write_ds
+from conftest import ROOT, launch, launch_together, write_ds
 
 PROBE = ROOT / "tests" / "scripts" / "probe.py"
 RECIPE = """
@@ -28,7 +28,8 @@ data: {seq_len: 32}
 """
 
 
-def probe(tmp, name: str, ranks: int, micro: int, recipe: str, *extra) -> list[dict]:
+def probe_job(tmp, name: str, ranks: int, micro: int, recipe: str, *extra) -> tuple:
+    """The launch of tests/scripts/probe.py for `name` (for conftest.launch / launch_together)."""
     d = tmp / name
     d.mkdir()
     (d / "recipe.yaml").write_text(recipe)
@@ -38,9 +39,17 @@ def probe(tmp, name: str, ranks: int, micro: int, recipe: str, *extra) -> list[d
     cfg = json.loads(ds.read_text())
     cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     ds.write_text(json.dumps(cfg))
-    launch(ranks, PROBE, "--out", d / "out", "--deepspeed_config", ds, "--config", d / "recipe.yaml",
-           "--run_dir", d / "run", *extra, cwd=d)
-    return [json.loads((d / "out" / f"rank{r}.json").read_text()) for r in range(ranks)]
+    return (ranks, PROBE, "--out", d / "out", "--deepspeed_config", ds, "--config", d / "recipe.yaml",
+            "--run_dir", d / "run", *extra)
+
+
+def probed(tmp, name: str, ranks: int) -> list[dict]:
+    return [json.loads((tmp / name / "out" / f"rank{r}.json").read_text()) for r in range(ranks)]
+
+
+def probe(tmp, name: str, ranks: int, micro: int, recipe: str, *extra) -> list[dict]:
+    launch(*probe_job(tmp, name, ranks, micro, recipe, *extra), cwd=tmp / name)
+    return probed(tmp, name, ranks)
 
 
 SEEN = {}
@@ -50,8 +59,12 @@ SEEN = {}
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("two_ranks")
     shm_before = shm_buffers()
-    # Same global batch: 1 rank x micro-batch 2 == 2 ranks x micro-batch 1.
-    one = probe(tmp, "one", 1, 2, RECIPE)
+    # Same global batch: 1 rank x micro-batch 2 == 2 ranks x micro-batch 1. The 1-rank run and the 1-rank build of
+    # the memory test are independent: side by side (conftest.launch_together; peak RSS is each process's own).
+    launch_together([probe_job(tmp, "one", 1, 2, RECIPE), probe_job(tmp, "one_big", 1, 2, BIG, "--build_only")],
+                    cwd=tmp)
+    one = probed(tmp, "one", 1)
+    SEEN["one_big"] = probed(tmp, "one_big", 1)
     two = probe(tmp, "two", 2, 1, RECIPE)
     params = {n: torch.load(tmp / n / "out" / "params.pt") for n in ("one", "two")}
     SEEN["shm_left"] = shm_buffers() - shm_before
@@ -116,8 +129,8 @@ def test_two_ranks_train_to_the_same_parameters_as_one(runs):
     assert mean < 1e-6, mean
 
 
-def test_no_rank_holds_the_whole_model_while_building(tmp_path):
-    one = probe(tmp_path, "one", 1, 2, BIG, "--build_only")
+def test_no_rank_holds_the_whole_model_while_building(runs, tmp_path):
+    one = SEEN["one_big"]  # built by the runs fixture, beside its 1-rank training run
     two = probe(tmp_path, "two", 2, 1, BIG, "--build_only")
     full_mb = sum(p["full"] * p["bytes_per_elem"] for p in one[0]["params"].values()) / 2**20
     grow1 = one[0]["rss_after_autoep_mb"] - one[0]["rss_before_build_mb"]

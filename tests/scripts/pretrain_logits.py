@@ -1,0 +1,55 @@
+"""bin/pretrain.py, then the trained engine's logits for fixed token ids; started by the real launcher:
+    deepspeed --num_gpus N tests/scripts/pretrain_logits.py --ids IDS.pt --logits OUT.pt [bin/pretrain.py args]
+It trains exactly as bin/pretrain.py does (engine.pretrain.preflight/build/train: same steps, same checkpoints,
+the last one after the last step), then feeds IDS to the same engine in eval mode: a ZeRO-3 forward (every rank), or
+the pipeline's eval_batch (the last stage holds the logits). Rank 0 / the last stage saves the logits to OUT; each
+rank writes its parameter count to params_rank{r}.json next to OUT. The engine at that point holds what the last
+checkpoint holds, so the logits are those of the checkpoint an export reads (loading a checkpoint back exactly is
+tests/test_resume.py's and test_pipeline.py's resume tests). One launch instead of a training launch plus a loading
+launch: each launch costs 15-25 s of process start and DeepSpeed init on a 2-core machine.
+"""
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+from engine import pipeline, pretrain  # noqa: E402
+from engine.parallel import init_distributed, world_from_env  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ids", required=True)
+    ap.add_argument("--logits", required=True)
+    own, rest = ap.parse_known_args()
+    args = pretrain.parse_args(rest)
+    world = world_from_env()
+    recipe, ds, tok = pretrain.preflight(args, world)
+    init_distributed()
+    engine, data = pretrain.build(recipe, ds, tok, world)
+    pretrain.train(recipe, engine, data, tok, world)
+    ids = torch.load(own.ids)
+    engine.eval()
+    with torch.no_grad():
+        if pipeline.is_pipeline(ds):
+            engine.reset_activation_shape()  # the stages keep training's activation shapes (seq_len) otherwise
+            _, logits = engine.eval_batch(iter([(ids, ids)]), return_logits=True, num_micro_batches=1)
+            last = engine.is_last_stage()
+        else:
+            logits, last = engine(input_ids=ids.to(engine.device)).logits, world.rank == 0
+    count = sum(p.numel() for p in engine.module.parameters())
+    Path(own.logits).with_name(f"params_rank{world.rank}.json").write_text(json.dumps(count))
+    if last:
+        torch.save(logits.float().cpu(), own.logits)
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()
