@@ -36,15 +36,7 @@ LOGIT_TOL = 1e-5   # |exported HF model - pipeline engine| (measured: < 1e-6)
 
 # Three layers: stage 0 = embedding + dense layer 0 + MoE layer 1, stage 1 = MoE layer 2 + norm/head.
 # balance_rate > 0 moves the routing biases, so their per-stage all-reduce and their export are exercised too.
-RECIPE = """
-model: {arch: deepseek_v3, hidden_size: 32, num_layers: 3, first_dense_layers: 1, num_heads: 4,
-        intermediate_size: 64, moe_intermediate_size: 48, num_experts: 4, experts_per_token: 2,
-        num_shared_experts: 1, vocab_size: 512, max_position_embeddings: 128, kv_lora_rank: 16,
-        qk_rope_head_dim: 8, qk_nope_head_dim: 8, v_head_dim: 8}
-data: {seq_len: 32}
-train: {max_steps: 5, warmup_steps: 1, log_every: 1, balance_rate: 0.01}
-checkpoint: {every_steps: 3}
-"""
+RECIPE = SMALL_DEEPSEEK  # the run the pipeline must equal is conftest's deepseek_2ranks, on this recipe
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +45,6 @@ def runs(tmp_path_factory, deepseek_2ranks):
     run is conftest's deepseek_2ranks (shared with tests/test_export.py). The pipeline launch also saves its trained
     engine's logits for conftest.fixed_ids() (tests/scripts/pretrain_logits.py)."""
     tmp = tmp_path_factory.mktemp("pipeline")
-    assert RECIPE == SMALL_DEEPSEEK
     # pipeline: 2 stages x data-parallel 1, 2 micro-batches of 2; ZeRO-3: 2 ranks x 1 micro-batch of 2
     pipe = write_ds(tmp / "pipe.json", base=PIPE, drop=("bf16",), train_micro_batch_size_per_gpu=2,
                     gradient_accumulation_steps=2)
