@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "a") as f:
             for r in rows:
-                f.write(json.dumps({"config": args.config, "decode_experts": args.decode_experts, "batch": args.batch, "new_tokens": args.new_tokens,
+                f.write(json.dumps({"config": args.config, "decode_experts": dec.decode_experts, "batch": args.batch, "new_tokens": args.new_tokens,
                                     "cache_len": cache_len, **r}) + "\n")
     return 0
 

@@ -122,11 +122,12 @@ class GRPOConfig:
     rewards: list = field(default_factory=lambda: [{"name": "numeric", "weight": 1.0, "which": "first"}])
     rollout: str = "auto"
     """local (a gathered copy of the policy on each device, when it fits) | engine (through DeepSpeed) | auto."""
-    decode_experts: str = "grouped_mm"
-    """MoE kernel of the rollout decoder: grouped_mm (each expert's weights read once per token step) | dense (every
-    expert on every token, weighted by the routing: the same weight reads in two full-width batched GEMMs; on one
-    H200, grpo_2b6 at batch 64: 3.22 ms per decode step against grouped_mm's 3.65, bin/decode_bench.py, not yet
-    measured end to end) | batched_mm (copies every token's top-k expert weights) | eager."""
+    decode_experts: str = "auto"
+    """MoE kernel of the rollout decoder: auto (dense on CUDA, grouped_mm elsewhere) | dense (every expert on every
+    token, weighted by the routing: all experts' weights read in two full-width GEMMs; on one H200, grpo_2b6 at
+    batch 64: 2.81 ms per decode step against grouped_mm's 3.32, bin/decode_bench.py) | grouped_mm (each
+    expert's weights read once per token step by a grouped GEMM) | batched_mm (copies every token's top-k expert
+    weights) | eager."""
     eval_path: str | None = None
     """Held-out prompts (jsonl with prompt/answer), scored greedily at eval_every steps."""
     eval_every: int = 10
@@ -268,8 +269,8 @@ def validate(r: Recipe) -> list[str]:
         p.append(f"grpo.group_size ({g.group_size}) must be >= 2: advantages compare completions within a group")
     if g.max_new_tokens < 1 or g.iterations < 1 or g.eval_every < 1:
         p.append("grpo.max_new_tokens, grpo.iterations and grpo.eval_every must be >= 1")
-    if g.decode_experts not in ("grouped_mm", "dense", "batched_mm", "eager"):
-        p.append(f"grpo.decode_experts: {g.decode_experts!r} is not one of grouped_mm, dense, batched_mm, eager")
+    if g.decode_experts not in ("auto", "grouped_mm", "dense", "batched_mm", "eager"):
+        p.append(f"grpo.decode_experts: {g.decode_experts!r} is not one of auto, grouped_mm, dense, batched_mm, eager")
     if g.rollout not in ("auto", "local", "engine"):
         p.append(f"grpo.rollout: {g.rollout!r} is not one of auto, local, engine")
     if g.eval_path is not None and not Path(g.eval_path).exists():

@@ -22,6 +22,7 @@ from typing import Iterator
 import torch
 import torch._dynamo  # noqa: F401  (mark_static_address)
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from .export_read import AUTOEP_NAMES
 
@@ -30,6 +31,15 @@ from .export_read import AUTOEP_NAMES
 # the 2.6B recipe. The same grouped_mm kernel under its own name is left alone.
 DECODE_GROUPED_MM = "grouped_mm_decode"
 DECODE_DENSE = "dense_decode"
+
+
+def resolve_decode_experts(kind: str, device) -> str:
+    """`grpo.decode_experts: auto`: dense on CUDA (one H200, grpo_2b6 at batch 64: 2.81 ms per decode step
+    against grouped_mm's 3.32, bin/decode_bench.py), grouped_mm elsewhere (a CPU has no FLOPs to spare for
+    E/k times the expert math)."""
+    if kind != "auto":
+        return kind
+    return "dense" if torch.device(device).type == "cuda" else "grouped_mm"
 
 
 def experts_for_decode(kind: str) -> str:
@@ -50,19 +60,84 @@ def dense_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
     """Every expert on every token, weighted by the routing weights (0 outside each token's top-k).
 
     For decoding: 64 tokens x top-4 spread over 32 experts leave each grouped GEMM ~8 rows, and the grouped
-    kernel reads the experts' weights well below the memory bandwidth. Two batched GEMMs over all experts at
-    full width read the same weights once each; E/k times the FLOPs, which a decode step has to spare.
-    hidden_states (T, H), top_k_index / top_k_weights (T, k) -> (T, H)."""
-    if self.has_bias or not self.has_gate:
+    kernel reads the experts' weights well below the memory bandwidth. All experts at full width as two plain
+    GEMMs, (T, H) x (H, E*2F) and (T, E*F) x (E*F, H), read the same weights once each at the bandwidth; E/k
+    times the FLOPs, which a decode step has to spare. The second GEMM wants the down projections laid out
+    (H, E, F): the decoder stores them so (`fuse_for_decode`); on any other layout the reshape copies (same
+    numbers, slower). hidden_states (T, H), top_k_index / top_k_weights (T, k) -> (T, H)."""
+    if self.has_bias or not self.has_gate or not getattr(self, "is_concatenated", True):
         from transformers.integrations.moe import grouped_mm_experts_forward
 
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     T, E = hidden_states.shape[0], self.num_experts
     route = hidden_states.new_zeros(T, E).scatter_(1, top_k_index, top_k_weights.to(hidden_states.dtype))  # (T, E)
-    gate_up = self.gate_up_proj if self.is_transposed else self.gate_up_proj.transpose(1, 2)  # (E, H, 2F)
-    down = self.down_proj if self.is_transposed else self.down_proj.transpose(1, 2)  # (E, F, H)
-    h = self._apply_gate(torch.bmm(hidden_states.unsqueeze(0).expand(E, -1, -1), gate_up))  # (E, T, F)
-    return torch.einsum("eth,te->th", torch.bmm(h, down), route)  # (T, H)
+    if self.is_transposed:  # (E, H, 2F) and (E, F, H): batched over the experts
+        h = self._apply_gate(torch.bmm(hidden_states.unsqueeze(0).expand(E, -1, -1), self.gate_up_proj))  # (E, T, F)
+        return torch.einsum("eth,te->th", torch.bmm(h, self.down_proj), route)
+    H = hidden_states.shape[1]
+    gate_up = F.linear(hidden_states, self.gate_up_proj.reshape(-1, H)).view(T, E, -1)  # (E, 2F, H) as (E*2F, H)
+    h = self._apply_gate(gate_up) * route[..., None]  # (T, E, F), zero off the top-k
+    down = self.down_proj.transpose(0, 1).reshape(H, -1)  # (E, H, F) -> (H, E*F): a view on the decoder's layout
+    return F.linear(h.reshape(T, -1), down)
+
+
+def fuse_for_decode(model: torch.nn.Module, dense_experts: bool) -> list[torch.Tensor]:
+    """Lay out the decoder's weights for fewer, larger GEMMs; returns the new storages.
+
+    Linears that read the same input share one storage, rows stacked, and each keeps its own weight as a view
+    into it (so `copy_weights` fills them unchanged): an MLP's gate_proj and up_proj; MLA's q_a_proj and
+    kv_a_proj_with_mqa. With dense experts, the experts' down projections are stored (H, E, F). Run on the empty
+    copy, before its weights are written."""
+    storages = []
+    for m in model.modules():
+        pair = [getattr(m, a, None) for a in (("gate_proj", "up_proj") if hasattr(m, "gate_proj")
+                                               else ("q_a_proj", "kv_a_proj_with_mqa"))]
+        if all(isinstance(l, torch.nn.Linear) and l.bias is None for l in pair):
+            fused = _stack_rows(pair)
+            storages.append(fused)
+            if hasattr(m, "gate_proj"):
+                m._gate_up, m.forward = fused, types.MethodType(fused_mlp_forward, m)
+            else:
+                m._qkv_a = fused
+        if dense_experts and getattr(m, "down_proj", None) is not None and isinstance(m.down_proj, torch.nn.Parameter) \
+                and m.down_proj.dim() == 3 and not getattr(m, "is_transposed", False):
+            E, H, Fd = m.down_proj.shape
+            relaid = m.down_proj.new_empty(H, E, Fd)
+            m.down_proj = torch.nn.Parameter(relaid.permute(1, 0, 2), requires_grad=False)
+            storages.append(relaid)
+        if type(m).__name__ == "DeepseekV3TopkRouter" and m.num_group == 1:
+            m.forward = types.MethodType(ungrouped_router_forward, m)
+    return storages
+
+
+def _stack_rows(linears: list[torch.nn.Linear]) -> torch.Tensor:
+    """One (sum of out_features, in_features) storage; each linear's weight becomes a view of its rows."""
+    w0 = linears[0].weight
+    fused = w0.new_empty(sum(l.out_features for l in linears), w0.shape[1])
+    start = 0
+    for l in linears:
+        l.weight = torch.nn.Parameter(fused[start:start + l.out_features], requires_grad=False)
+        start += l.out_features
+    return fused
+
+
+def fused_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """A gated MLP (gate_proj, up_proj, down_proj) with gate and up as one GEMM on the fused storage."""
+    gate, up = F.linear(x, self._gate_up).chunk(2, dim=-1)
+    return self.down_proj(self.act_fn(gate) * up)
+
+
+def ungrouped_router_forward(self, hidden_states: torch.Tensor):
+    """DeepSeek-V3's router with one expert group (our recipes): transformers' math without the group top-k,
+    which with a single group selects everything. Returns (logits, weights, indices) as transformers' does."""
+    hidden_states = hidden_states.view(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))
+    scores = router_logits.sigmoid()
+    topk_indices = torch.topk(scores + self.e_score_correction_bias, k=self.top_k, dim=-1, sorted=False)[1]
+    topk_weights = scores.gather(1, topk_indices)
+    if self.norm_topk_prob:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return router_logits, topk_weights * self.routed_scaling_factor, topk_indices
 
 
 def _rename_autoep(path: str, rest: str, names: dict) -> str:
@@ -132,7 +207,7 @@ def _param_groups(module: torch.nn.Module) -> Iterator[list[tuple[str, torch.nn.
                 yield own
 
 
-def empty_copy(module: torch.nn.Module, device, decode_experts: str = "grouped_mm") -> torch.nn.Module:
+def empty_copy(module: torch.nn.Module, device, decode_experts: str = "auto") -> torch.nn.Module:
     """An unfilled plain HF model of the policy's class and config on `device`, for generation only."""
     config = copy.deepcopy(module.config)  # its own: use_cache and the experts kernel must not leak into training
     config.use_cache = True
@@ -145,7 +220,7 @@ def empty_copy(module: torch.nn.Module, device, decode_experts: str = "grouped_m
         torch.set_default_dtype(default)
     model.to_empty(device=device)
     model.eval()
-    model.set_experts_implementation(experts_for_decode(decode_experts))
+    model.set_experts_implementation(experts_for_decode(resolve_decode_experts(decode_experts, device)))
     return model
 
 
@@ -184,11 +259,15 @@ def absorbed_mla_forward(self, hidden_states, position_embeddings, attention_mas
     B, T = hidden_states.shape[:-1]
     H, dn, dr, dv, C = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim, self.kv_lora_rank
     if self.q_lora_rank is None:
-        q = self.q_proj(hidden_states)
+        q, kv_a = self.q_proj(hidden_states), self.kv_a_proj_with_mqa(hidden_states)
     else:
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        if hasattr(self, "_qkv_a"):  # q_a_proj and kv_a_proj_with_mqa as one GEMM (fuse_for_decode)
+            q_a, kv_a = F.linear(hidden_states, self._qkv_a).split([self.q_lora_rank, C + dr], dim=-1)
+        else:
+            q_a, kv_a = self.q_a_proj(hidden_states), self.kv_a_proj_with_mqa(hidden_states)
+        q = self.q_b_proj(self.q_a_layernorm(q_a))
     q_pass, q_rot = q.view(B, T, H, dn + dr).transpose(1, 2).split([dn, dr], dim=-1)  # (B, H, T, dn), (B, H, T, dr)
-    kv_nope, k_rot = self.kv_a_proj_with_mqa(hidden_states).split([C, dr], dim=-1)
+    kv_nope, k_rot = kv_a.split([C, dr], dim=-1)
     kv_nope = self.kv_a_layernorm(kv_nope).view(B, 1, T, C)
     rope = apply_rotary_pos_emb_interleave if self.config.rope_interleave else apply_rotary_pos_emb
     q_rot, k_rot = rope(q_rot, k_rot.view(B, 1, T, dr), *position_embeddings)
@@ -217,20 +296,23 @@ class Decoder:
     builds = 0  # decoders built in this process: a test checks that GRPO builds one per run, not one per step
 
     def __init__(self, module: torch.nn.Module, device, batch_size: int, cache_len: int,
-                 decode_experts: str = "grouped_mm", compile: bool | None = None):
+                 decode_experts: str = "auto", compile: bool | None = None):
         from transformers import StaticCache
 
+        decode_experts = resolve_decode_experts(decode_experts, device)
+
         model = empty_copy(module, device, decode_experts)
+        fused = fuse_for_decode(model, dense_experts=decode_experts == "dense")
         config = model.config
         for m in model.modules():
             if hasattr(m, "kv_b_proj"):  # DeepSeek-V3's MLA: attend in the latent space (absorbed_mla_forward)
                 m.forward = types.MethodType(absorbed_mla_forward, m)
-        self.model, self.device = model, torch.device(device)
+        self.model, self.device, self.decode_experts = model, torch.device(device), decode_experts
         self.batch_size, self.cache_len = batch_size, cache_len
         self.cache = StaticCache(config=config, max_cache_len=cache_len)
         self.mask = torch.ones(batch_size, cache_len, dtype=torch.long, device=device)  # (N, L): 0 on prompt padding
-        if self.device.type == "cuda":
-            torch._dynamo.mark_static_address(self.mask)  # filled in place; the captured graph reads it where it is
+        for t in ([self.mask] + fused) if self.device.type == "cuda" else []:
+            torch._dynamo.mark_static_address(t)  # filled in place; the captured graph reads it where it is
         self.compile = self.device.type == "cuda" if compile is None else compile
         self.step_fn = (torch.compile(self._forward, mode="reduce-overhead", fullgraph=True, dynamic=False)
                         if self.compile else self._forward)

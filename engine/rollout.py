@@ -18,7 +18,7 @@ from deepspeed.runtime.rollout import HybridEngineRollout, RolloutBatch, Rollout
 from .decoder import Decoder, copy_weights, empty_copy
 
 
-def local_copy(module: torch.nn.Module, device, decode_experts: str = "grouped_mm") -> torch.nn.Module:
+def local_copy(module: torch.nn.Module, device, decode_experts: str = "auto") -> torch.nn.Module:
     """A plain (unpartitioned) HF model holding the policy's current weights (collective over ranks)."""
     model = empty_copy(module, device, decode_experts)
     copy_weights(model, module)
@@ -30,7 +30,7 @@ class DecoderRollout(RolloutEngine):
 
     name = "local"
 
-    def __init__(self, engine, tokenizer, batch_size: int, cache_len: int, decode_experts: str = "grouped_mm"):
+    def __init__(self, engine, tokenizer, batch_size: int, cache_len: int, decode_experts: str = "auto"):
         self.engine, self.tokenizer, self.decoder = engine, tokenizer, None
         self.batch_size, self.cache_len, self.decode_experts = batch_size, cache_len, decode_experts
         self.decode_steps, self.decode_s = 0, 0.0  # over the last generate call
@@ -77,7 +77,7 @@ def response_attention(out: torch.Tensor, prompt_attn: torch.Tensor, prompt_len:
 
 
 def build_rollout(kind: str, engine, tokenizer, batch_size: int, cache_len: int,
-                  decode_experts: str = "grouped_mm") -> RolloutEngine:
+                  decode_experts: str = "auto") -> RolloutEngine:
     if kind == "local":
         return DecoderRollout(engine, tokenizer, batch_size, cache_len, decode_experts)
     return HybridEngineRollout(engine, tokenizer)

@@ -71,7 +71,7 @@ def test_decoding_keeps_grouped_mm_experts():
         assert "grouped_mm" not in impl.values(), impl  # what generate's swap looks for
         torch.testing.assert_close(model(ids).logits, ref, rtol=0, atol=0)
     assert experts_for_decode("batched_mm") == "batched_mm"
-    with pytest.raises(ConfigError, match="grpo.decode_experts: 'fast' is not one of grouped_mm, dense, batched_mm, eager"):
+    with pytest.raises(ConfigError, match="grpo.decode_experts: 'fast' is not one of auto, grouped_mm, dense, batched_mm, eager"):
         load_recipe(None, {"grpo.decode_experts": "fast"})
 
 
@@ -113,3 +113,39 @@ def test_a_decoder_too_large_for_the_device_is_refused_naming_the_engine_rollout
     assert decoder_fit_problem(cfg, torch.bfloat16, 64, 272, device_bytes=2 * need) is None
     problem = decoder_fit_problem(cfg, torch.bfloat16, 64, 272, device_bytes=2 * need - 2)
     assert problem is not None and "grpo.rollout: engine" in problem and "\n" not in problem, problem
+
+
+@pytest.mark.parametrize("experts", ["grouped_mm", "dense"])
+def test_the_fused_decoder_layout_samples_as_generate_before_and_after_a_refresh(experts):
+    """The decoder stacks gate/up and MLA's q_a/kv_a projections into shared storages (parameters become views
+    into them) and, with dense experts, stores the down projections (H, E, F) for one GEMM over all experts.
+    Greedy tokens equal transformers' generate on the same weights, with q_lora (the GPU recipes' MLA: the
+    tiny default has none), and again after every weight changed and the decoder was refreshed in place."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.config import ModelConfig
+    from engine.decoder import Decoder
+    from engine.model import make_hf_config
+
+    torch.manual_seed(0)
+    mc = ModelConfig(q_lora_rank=48, kv_lora_rank=32)
+    model = AutoModelForCausalLM.from_config(make_hf_config(mc)).eval()
+    ids = torch.randint(1, 512, (3, 9))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    dec = Decoder(model, "cpu", batch_size=4, cache_len=32, decode_experts=experts)
+    fused = [m for m in dec.model.modules() if hasattr(m, "_qkv_a") or hasattr(m, "_gate_up")]
+    assert len(fused) >= 3, "no fused storages: the test would not exercise them"
+    for m in fused:
+        w = m._qkv_a if hasattr(m, "_qkv_a") else m._gate_up
+        first = m.q_a_proj.weight if hasattr(m, "_qkv_a") else m.gate_proj.weight
+        assert first.data_ptr() == w.data_ptr()
+    for _ in range(2):
+        with torch.no_grad():
+            ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+        got = dec.generate(ids, mask, 10, eos_id=-1, pad_id=0, temperature=0)
+        assert torch.equal(got, ref[:, : got.shape[1]]) and got.shape[1] == ref.shape[1]
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        dec.refresh(model)
