@@ -1,7 +1,7 @@
 """DeepSpeed JSON configs: read, check against the world and the model, resolve documented "auto" values.
 
 The file goes to DeepSpeed as written. The only values the engine fills in are ones the file leaves as
-"auto" (documented in README.md):
+"auto" (documented in docs/configs.md):
   expert_parallel.autoep_size = "auto"  -> the largest divisor of the expert count that divides the
                                            world size and fits in one node (all-to-all stays intra-node)
   train_batch_size = "auto"             -> micro_batch x grad_accum x data-parallel world size
