@@ -16,7 +16,8 @@ the engine measured one after the other land in one table. Columns:
                  device (the host queues work ahead, as in training); wall clock on the CPU
   peak GiB       peak accelerator memory of rank 0 (peak RSS on CPU)
 --no_autoep drops the DS config's expert_parallel section: the same HF model under plain ZeRO-3 with its
-own MoE block (what HF Trainer + DeepSpeed gives). --micro_batch overrides train_micro_batch_size_per_gpu.
+own MoE block (what HF Trainer + DeepSpeed gives). --micro_batch overrides train_micro_batch_size_per_gpu
+("auto" in the file, as in the shipped zero2.json/zero3.json, is chosen for the device's memory x --memory_fraction).
 --set KEY=VALUE changes the recipe (e.g. train.activation_checkpointing=true), --ds_set KEY=VALUE the DS config
 (e.g. zero_optimization.stage=2); values are YAML. --label names the row. --profile N profiles N more steps
 with torch.profiler and prints the operators that take the most device time (also written to OUT.profile.txt).
@@ -33,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
+from engine.auto_batch import AutoBatch, device_memory_gib  # noqa: E402
 from engine.config import ConfigError, load_recipe  # noqa: E402
 from engine.ds_config import read_ds_config, resolve_ds_config  # noqa: E402
 from engine.data import load_tokenizer, to_device  # noqa: E402
@@ -95,12 +97,16 @@ def main() -> int:
             for part in path:
                 node = node.setdefault(part, {})
             node[key] = value
-        ds = resolve_ds_config(raw, recipe, world.size, world.local_size, device=device_kind())
+        wanted = "auto" in (raw.get("train_micro_batch_size_per_gpu"), raw.get("gradient_accumulation_steps"))
+        auto = AutoBatch(memory_gib=device_memory_gib(device_kind(), args.memory_fraction) if wanted else None)
+        ds = resolve_ds_config(raw, recipe, world.size, world.local_size, device=device_kind(), auto_batch=auto)
         tok = load_tokenizer(recipe.data.tokenizer)
     except ConfigError as e:
         if world.rank == 0:
             print(f"error: {e}", file=sys.stderr)
         return 2
+    if auto.note and world.rank == 0:
+        print(auto.note, flush=True)
     init_distributed()
     from deepspeed.accelerator import get_accelerator
 

@@ -157,6 +157,7 @@ def save(engine, recipe: Recipe, state: dict, tokenizer=None) -> Path:
         torch.save(_persistent_buffers(engine.module), root / tag / BUFFERS)
         (root / tag / STATE_FILE).write_text(json.dumps({
             **state, "world_size": dist.get_world_size(), "micro_batch": engine.train_micro_batch_size_per_gpu(),
+            "grad_accum": engine.gradient_accumulation_steps(),  # with micro_batch: what --resume keeps for "auto"
             "autoep_size": ep_size(engine.config), "pipeline_stages": engine.config.get("pipeline", {}).get("stages", 0),
             "recipe": recipe.to_dict()}, indent=1))
         if tokenizer is not None:
@@ -213,6 +214,32 @@ def resume_position(saved: dict, micro: int, world: int) -> int | None:
     """
     consumed = saved["position"] * saved.get("micro_batch", micro) * saved.get("world_size", world)
     return consumed // (micro * world) if consumed % (micro * world) == 0 else None
+
+
+def recorded_batch(run_dir: str | Path) -> dict | None:
+    """The micro-batch and accumulation `latest` was trained with ({"micro_batch", "grad_accum"}), for resolving a DS
+    config's "auto" on --resume; None when there is nothing readable (check_resume reports why). A checkpoint saved
+    before "auto" has no grad_accum: it follows from the tokens per step (tokens / step = micro x accumulation x
+    data-parallel ranks x seq_len), when that divides evenly."""
+    tag = latest(run_dir)
+    try:
+        saved = json.loads((ckpt_dir(run_dir) / tag / STATE_FILE).read_text()) if tag else None
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not isinstance(saved, dict):
+        return None
+    ok = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1  # noqa: E731
+    found = {k: saved[k] for k in ("micro_batch", "grad_accum") if ok(saved.get(k))}
+    if "grad_accum" not in found and "micro_batch" in found:
+        try:
+            seq = saved["recipe"]["data"]["seq_len"]
+            dp = saved["world_size"] // max(1, saved.get("pipeline_stages", 0) or 1)
+            per_step = found["micro_batch"] * dp * seq
+            if ok(saved["step"]) and saved["tokens"] % (saved["step"] * per_step) == 0:
+                found["grad_accum"] = saved["tokens"] // (saved["step"] * per_step)
+        except (KeyError, TypeError, ZeroDivisionError):
+            pass
+    return found
 
 
 def check_resume(recipe: Recipe, ds: dict, world_size: int, rank: int = 0) -> tuple[list[str], bool]:

@@ -81,6 +81,10 @@ class TrainConfig:
     """Aux-loss-free balancing (DeepSeek-V3): per-step update of each expert's routing bias. 0 = off."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward: about 1/3 more compute, far less memory."""
+    tokens_per_step_per_gpu: int | None = None
+    """Target tokens per optimizer step per data-parallel rank, for a DS config's gradient_accumulation_steps "auto"
+    (accumulation = this / (micro-batch x data.seq_len), rounded, at least 1). Unset: 64 x data.seq_len on an
+    accelerator, one micro-batch (accumulation 1) on the CPU (docs/configs.md)."""
     compile: bool | str = "auto"
     """torch.compile through DeepSpeed (engine.compile()) of the layers around the AutoEP blocks (DS config
     "compile": {"autoep_non_moe": true}; routing and experts stay eager). auto: on for CUDA runs whose DS config
@@ -255,6 +259,8 @@ def validate(r: Recipe) -> list[str]:
         p.append(f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         p.append(f"train.min_lr_ratio ({t.min_lr_ratio}) must be in [0, 1]")
+    if t.tokens_per_step_per_gpu is not None and t.tokens_per_step_per_gpu < 1:
+        p.append(f"train.tokens_per_step_per_gpu: must be >= 1 (or left out), got {t.tokens_per_step_per_gpu}")
     if t.log_every < 1:
         p.append(f"train.log_every: must be >= 1, got {t.log_every}")
     if t.compile not in (True, False, "auto"):

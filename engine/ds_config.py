@@ -4,6 +4,9 @@ The file goes to DeepSpeed as written. The only values the engine fills in are o
 "auto" (documented in docs/configs.md):
   expert_parallel.autoep_size = "auto"  -> the largest divisor of the expert count that divides the
                                            world size and fits in one node (all-to-all stays intra-node)
+  train_micro_batch_size_per_gpu = "auto"
+  gradient_accumulation_steps = "auto"  -> from the device's memory and the recipe (engine/auto_batch.py,
+                                           docs/configs.md); bin/pretrain.py and bin/bench.py only
   train_batch_size = "auto"             -> micro_batch x grad_accum x data-parallel world size
   optimizer.params.lr = "auto"          -> the recipe's train.lr (the peak of its warmup + cosine schedule)
   expert_parallel.combine_impl = "auto" -> "fused_weighted_sum" (AutoEP's Triton kernel for the top-k weighted
@@ -45,10 +48,12 @@ def auto_autoep_size(num_experts: int, world_size: int, ranks_per_node: int) -> 
 
 
 def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, ranks_per_node: int,
-                      where: str = "DeepSpeed config", device: str = "cpu") -> dict:
+                      where: str = "DeepSpeed config", device: str = "cpu", auto_batch=None) -> dict:
     """Check `cfg` for this world and model; return a copy with "auto" values filled in.
 
     `device` is the accelerator the ranks run on (parallel.device_kind(): "cuda", "cpu", "rocm", ...).
+    `auto_batch` (an engine.auto_batch.AutoBatch) resolves "auto" micro-batch / accumulation (and says what it
+    chose); without one they are refused.
 
     Every problem is collected and raised together as one ConfigError line.
     """
@@ -64,7 +69,8 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, ranks_per_node
     p += resolve_optimizer(cfg, recipe)
     p += resolve_expert_parallel(cfg, recipe, world_size, stages, ranks_per_node, device)
     p += resolve_compile(cfg, recipe)
-    p += resolve_batch_size(cfg, world_size, stages)
+    p += resolve_batch_size(cfg, world_size, stages, recipe, device, auto_batch)
+    p += stray_auto(cfg)
     if p:
         raise ConfigError(f"{where}: " + "; ".join(p))
     return cfg
@@ -129,17 +135,38 @@ def resolve_compile(cfg: dict, recipe: Recipe) -> list[str]:
     return []
 
 
-def resolve_batch_size(cfg: dict, world_size: int, stages: int) -> list[str]:
-    """DeepSpeed needs train_batch = micro x accum x data-parallel size; "auto" is filled in from the other two."""
+BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+AUTO_KEYS = ("train_batch_size", *BATCH_KEYS)  # the top-level keys where the engine fills in "auto"
+
+
+def resolve_batch_size(cfg: dict, world_size: int, stages: int, recipe: Recipe | None = None, device: str = "cpu",
+                       auto_batch=None) -> list[str]:
+    """DeepSpeed needs train_batch = micro x accum x data-parallel size; "auto" is filled in from the other two.
+
+    "auto" micro-batch / accumulation come from `auto_batch` (engine/auto_batch.py) when the caller supports them.
+    """
     pipe = "pipeline" in cfg
-    micro = cfg.get("train_micro_batch_size_per_gpu")
-    accum = cfg.get("gradient_accumulation_steps", 1)
     total = cfg.get("train_batch_size", "auto")
     dp = world_size // stages if world_size % stages == 0 else None
-    if not isinstance(micro, int) or micro < 1:
-        return [f"train_micro_batch_size_per_gpu ({micro!r}) must be a positive integer"]
-    if not isinstance(accum, int) or accum < 1:
-        return [f"gradient_accumulation_steps ({accum!r}) must be a positive integer"]
+    autos = [k for k in BATCH_KEYS if cfg.get(k) == "auto"]
+    if autos:
+        keys = " and ".join(f'{k} "auto"' for k in autos)
+        if auto_batch is None or recipe is None:
+            return [f"{keys}: resolved by bin/pretrain.py and bin/bench.py only (from the device's memory); write a "
+                    "number here (bin/grpo.py: ds_configs/zero3_grpo.json has 16 x 4)"]
+        if pipe:
+            return [f"{keys}: not supported with a pipeline section (the memory model covers ZeRO without a "
+                    "pipeline); write a number (ds_configs/pipe.json has 4 x 4)"]
+        if dp is not None:
+            found = auto_batch.resolve(cfg, recipe, dp, device)
+            if found:
+                return found
+    micro = cfg.get("train_micro_batch_size_per_gpu")
+    accum = cfg.get("gradient_accumulation_steps", 1)
+    if not isinstance(micro, int) or isinstance(micro, bool) or micro < 1:
+        return [f'train_micro_batch_size_per_gpu ({micro!r}) must be a positive integer or "auto"']
+    if not isinstance(accum, int) or isinstance(accum, bool) or accum < 1:
+        return [f'gradient_accumulation_steps ({accum!r}) must be a positive integer or "auto"']
     if dp is None:
         return [f"pipeline.stages ({stages}) must divide the world size ({world_size})"]
     if total == "auto":
@@ -150,6 +177,21 @@ def resolve_batch_size(cfg: dict, world_size: int, stages: int) -> list[str]:
                 f"data-parallel size ({dp}{f' = {world_size} ranks / {stages} stages' if pipe else ''}) = "
                 f"{micro * accum * dp}; fix one of them or set train_batch_size to \"auto\""]
     return []
+
+
+def stray_auto(cfg: dict) -> list[str]:
+    """"auto" left where neither the engine nor DeepSpeed fills it in: DeepSpeed reads the top-level scalars and the
+    optimizer's params as they are (a Hugging Face Trainer config's "auto" there would reach DeepSpeed as a string).
+    The sections DeepSpeed parses with its own models (zero_optimization, bf16, expert_parallel, ...) treat "auto"
+    as their default, so they are left alone."""
+    where = [k for k, v in cfg.items() if v == "auto" and k not in AUTO_KEYS]
+    where += [f"optimizer.params.{k}" for k, v in ((cfg.get("optimizer") or {}).get("params") or {}).items()
+              if v == "auto"]
+    if not where:
+        return []
+    return [f'{", ".join(where)}: "auto" is not supported there (the engine fills in "auto" only for '
+            f"{', '.join(AUTO_KEYS)}, optimizer.params.lr, expert_parallel.autoep_size and "
+            "expert_parallel.combine_impl); write a value"]
 
 
 def check_pipeline(cfg: dict, recipe: Recipe, zero_stage) -> tuple[int, list[str]]:

@@ -13,6 +13,7 @@ import time
 import torch
 
 from . import checkpoint, pipeline
+from .auto_batch import AutoBatch, device_memory_gib
 from .balance import ExpertBalance
 from .config import ConfigError, Recipe, load_recipe
 from .data import ReadAhead, build_data, load_tokenizer, to_device
@@ -32,6 +33,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--resume", action="store_true", help="continue from RUN_DIR/checkpoints/latest, on any world size "
                     "(another world or expert-parallel size goes through DeepSpeed's universal checkpoint)")
     ap.add_argument("--data", help="override data.path: a local text/jsonl/parquet file or folder, or a hub name")
+    ap.add_argument("--memory_fraction", type=float, help="use this fraction of each GPU's memory (torch's per-process "
+                    "cap; 0.5596 makes an H200 an 80 GB H100); \"auto\" batch sizes are chosen for the capped memory")
     ap.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)  # set by the launcher
     return ap.parse_args(argv)
 
@@ -60,10 +63,18 @@ def preflight(args: argparse.Namespace, world: World):
         raw = read_ds_config(args.deepspeed_config)
     except ConfigError as e:
         problems.append(str(e))
+    fraction = getattr(args, "memory_fraction", None)
+    if fraction is not None and not 0 < fraction <= 1:
+        problems.append(f"--memory_fraction ({fraction}) must be in (0, 1], e.g. 0.5596 for 80 GB of an H200")
+        fraction = None
+    auto = None
     if recipe is not None and raw is not None:
+        device = device_kind()
+        auto = AutoBatch(memory_gib=device_memory_gib(device, fraction) if auto_wanted(raw) else None,
+                         recorded=checkpoint.recorded_batch(recipe.run_dir) if recipe.resume else None)
         try:
             ds = resolve_ds_config(raw, recipe, world.size, world.local_size,
-                                   where=f"DeepSpeed config {args.deepspeed_config}", device=device_kind())
+                                   where=f"DeepSpeed config {args.deepspeed_config}", device=device, auto_batch=auto)
         except ConfigError as e:
             problems.append(str(e))
     if recipe is not None:
@@ -85,9 +96,42 @@ def preflight(args: argparse.Namespace, world: World):
             ds.setdefault("checkpoint", {})["load_universal"] = True
     if problems:
         raise ConfigError("; ".join(problems))
+    if auto.note and world.rank == 0:
+        print(auto.note, flush=True)  # once, before any rank does work: what "auto" chose and why
     if recipe.resume and ds.get("checkpoint", {}).get("load_universal") and world.rank == 0:
         checkpoint.to_universal(recipe.run_dir)  # the other ranks wait for rank 0 in init_distributed
     return recipe, ds, tok
+
+
+def auto_wanted(raw: dict) -> bool:
+    """Whether the DS file leaves a batch size to the engine (only then is the device's memory asked for)."""
+    return "auto" in (raw.get("train_micro_batch_size_per_gpu"), raw.get("gradient_accumulation_steps"))
+
+
+def apply_memory_fraction(fraction: float | None) -> None:
+    """--memory_fraction: torch's per-process cap on this rank's GPU (after init_distributed set the device)."""
+    from deepspeed.accelerator import get_accelerator
+
+    if fraction and get_accelerator().device_name() == "cuda":
+        torch.cuda.set_per_process_memory_fraction(fraction)
+
+
+def check_ranks_agree(ds: dict) -> None:
+    """Every rank resolved the same micro-batch and accumulation ("auto" reads each rank's own device; a job whose
+    GPUs differ in memory would otherwise hang in DeepSpeed). Raises ConfigError on every rank if they differ."""
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    mine = [ds["train_micro_batch_size_per_gpu"], ds.get("gradient_accumulation_steps", 1)]
+    t = torch.tensor(mine + [-v for v in mine], dtype=torch.int64, device=get_accelerator().current_device_name())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    lo, hi = [-v for v in t[2:].tolist()], t[:2].tolist()
+    if lo != hi:
+        raise ConfigError(f"the ranks chose different batch sizes (micro-batch {lo[0]}-{hi[0]}, accumulation "
+                          f"{lo[1]}-{hi[1]}): \"auto\" follows each rank's device memory, and these devices differ; "
+                          "write the numbers in the DeepSpeed config")
 
 
 def build(recipe: Recipe, ds: dict, tok, world: World):
@@ -246,6 +290,8 @@ def main(argv=None) -> int:
         return 2
     init_distributed()
     try:
+        apply_memory_fraction(args.memory_fraction)
+        check_ranks_agree(ds)
         engine, data = build(recipe, ds, tok, world)  # map-style data is read and tokenized here, on every rank
         rows = train(recipe, engine, data, tok, world)
     except ConfigError as e:  # bad data past preflight's sample, found on every rank

@@ -26,10 +26,10 @@ def test_bench_two_ranks_and_baseline_agree_on_model_size(tmp_path):
 
 
 def test_tuned_config_trains_like_the_untuned_one_from_the_same_init(tmp_path):
-    """ds_configs/zero2.json (the tuned default: ZeRO-2, micro 16 x 4) and zero3.json at the same global batch
-    (micro 8 x 8), both from one saved initial model: every step's loss agrees within bf16 noise. On GPUs
+    """ds_configs/zero2.json (the tuned default: ZeRO-2, micro 16 x 4 on one H200) and zero3.json at the same global
+    batch (micro 8 x 8), both from one saved initial model: every step's loss agrees within bf16 noise. On GPUs
     the two configs draw different random initial weights (ZeRO-3 builds under zero.Init), so the same-init
-    comparison lives here."""
+    comparison lives here. Both files say "auto" (8 x 1 on a CPU), so the batch sizes are given here."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -45,6 +45,7 @@ def test_tuned_config_trains_like_the_untuned_one_from_the_same_init(tmp_path):
     common = ("--steps", "15", "--warmup", "5", "--set", f"model.init_from={tmp_path / 'init'}")
     # Two independent 1-rank runs, side by side (conftest.launch_together), each writing its own row.
     launch_together([(1, BENCH, "--deepspeed_config", ROOT / "ds_configs" / "zero2.json", "--label", "tuned",
+                      "--micro_batch", "16", "--ds_set", "gradient_accumulation_steps=4",
                       "--out", tmp_path / "tuned.jsonl", *common),
                      (1, BENCH, "--deepspeed_config", ZERO3, "--label", "untuned", "--ds_set",
                       "gradient_accumulation_steps=8", "--out", tmp_path / "untuned.jsonl", *common)], cwd=tmp_path)

@@ -8,17 +8,22 @@ import pytest
 from conftest import ROOT, ZERO3, env, read_metrics, run_in_process, write_ds
 
 from engine.config import RECIPES, ConfigError, load_recipe
+from engine.auto_batch import AutoBatch
 from engine.ds_config import auto_autoep_size, read_ds_config, resolve_ds_config
 
 PRETRAIN = ROOT / "bin" / "pretrain.py"
 
 
-def test_default_recipe_trains_in_this_process(tmp_path):
-    """The embedded default recipe, 1 rank, in the pytest process itself (no launcher)."""
+def test_default_recipe_trains_in_this_process(tmp_path, capsys):
+    """The embedded default recipe, 1 rank, in the pytest process itself (no launcher). zero3.json's "auto" batch
+    sizes are 8 x 1 on the CPU (as the file said before "auto"), printed once and recorded in the checkpoint."""
     from engine.pretrain import main
 
     run = tmp_path / "run"
     assert main(["--deepspeed_config", str(ZERO3), "--max_steps", "40", "--run_dir", str(run)]) == 0
+    assert capsys.readouterr().out.count('batch: micro-batch 8 x 1 accumulation per GPU ("auto": ') == 1
+    saved = json.loads((run / "checkpoints" / "step_00000040" / "engine_state.json").read_text())
+    assert (saved["micro_batch"], saved["grad_accum"]) == (8, 1)
     rows = read_metrics(run)
     assert [r["step"] for r in rows] == [10, 20, 30, 40]
     assert {"step", "loss", "lr", "tokens_per_s"} <= rows[0].keys()
@@ -35,9 +40,11 @@ def test_every_shipped_config_resolves(recipe, ds, world):
     stages = read_ds_config(ds).get("pipeline", {}).get("stages", 1)
     if world % stages:
         with pytest.raises(ConfigError, match=rf"pipeline.stages \({stages}\) must divide the world size \({world}\)"):
-            resolve_ds_config(read_ds_config(ds), r, world_size=world, ranks_per_node=min(world, 8))
+            resolve_ds_config(read_ds_config(ds), r, world_size=world, ranks_per_node=min(world, 8),
+                              auto_batch=AutoBatch())
         return  # a pipeline needs a rank per stage
-    cfg = resolve_ds_config(read_ds_config(ds), r, world_size=world, ranks_per_node=min(world, 8))
+    cfg = resolve_ds_config(read_ds_config(ds), r, world_size=world, ranks_per_node=min(world, 8),
+                            auto_batch=AutoBatch())  # the CPU: "auto" batch sizes are 8 x 1
     ep, dp = cfg["expert_parallel"]["autoep_size"], world // stages  # experts stay inside a pipeline stage
     assert r.model.num_experts % ep == 0 and dp % ep == 0
     assert cfg["train_batch_size"] == cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * dp
@@ -66,7 +73,7 @@ def test_compile_follows_what_deepspeed_can_do(stage, ds_sets, compile_, expect)
     raw["zero_optimization"].update({"stage": stage, **{k: v for k, v in ds_sets.items() if k != "compile"}})
     raw.pop("compile", None)
     raw.update({k: v for k, v in ds_sets.items() if k == "compile"})
-    cfg = resolve_ds_config(raw, r, world_size=1, ranks_per_node=1)
+    cfg = resolve_ds_config(raw, r, world_size=1, ranks_per_node=1, auto_batch=AutoBatch())
     assert cfg.get("compile", {}).get("autoep_non_moe") is expect
     assert not wants_compile(r, cfg)  # auto compiles on CUDA devices only; this is a CPU
 
@@ -78,7 +85,8 @@ def test_moe_combine_kernel_follows_the_device_unless_written(device, written, e
     raw = read_ds_config(ROOT / "ds_configs" / "zero2.json")
     if written:
         raw["expert_parallel"]["combine_impl"] = written
-    cfg = resolve_ds_config(raw, load_recipe(None), world_size=1, ranks_per_node=1, device=device)
+    cfg = resolve_ds_config(raw, load_recipe(None), world_size=1, ranks_per_node=1, device=device,
+                            auto_batch=AutoBatch())
     assert cfg["expert_parallel"]["combine_impl"] == expect
     assert raw["expert_parallel"].get("combine_impl") == written  # the caller's dict is not touched
 
@@ -94,7 +102,8 @@ def test_compiled_model_leaves_only_autoep_eager_and_matches_eager(tmp_path):
     from engine.pretrain import build
 
     r = load_recipe(None, {"train.compile": True, "model.first_dense_layers": 1, "run_dir": str(tmp_path)})
-    ds = resolve_ds_config(read_ds_config(ROOT / "ds_configs" / "zero2.json"), r, world_size=1, ranks_per_node=1)
+    ds = resolve_ds_config(read_ds_config(ROOT / "ds_configs" / "zero2.json"), r, world_size=1, ranks_per_node=1,
+                           auto_batch=AutoBatch())
     init_distributed()
     engine, data = build(r, ds, load_tokenizer(r.data.tokenizer), world_from_env())
     layers = engine.module.model.layers

@@ -1,0 +1,269 @@
+"""'auto' micro-batch and gradient accumulation, resolved before deepspeed.initialize (DeepSpeed never sees "auto").
+
+    train_micro_batch_size_per_gpu: "auto"  -> the largest of 32, 16, 8, 4, 2, 1 whose predicted peak memory fits
+                                               USABLE_FRACTION of the device's memory less MARGIN_GIB (CPU: 8)
+    gradient_accumulation_steps: "auto"     -> train.tokens_per_step_per_gpu / (micro x data.seq_len), rounded half
+                                               up, at least 1 (default target: 64 sequences on an accelerator;
+                                               on the CPU 1 step, as the files shipped before "auto")
+A number written in the file is kept as written. On --resume the checkpoint's recorded values win over a fresh
+"auto" (exact resume depends on them); a number written in the file still wins over both.
+
+The memory model is analytic, calibrated on peaks measured on one H200 (`max_memory_allocated`, docs/bench/*.jsonl):
+
+    peak = states + fixed(stage) + micro x per_sample
+    states     = bytes per parameter of weights, gradients and optimizer state, per ZeRO stage and data-parallel
+                 size (dtype-aware: bf16/fp16/fp32 weights, bf16 master weights and Adam moments, optimizer offload)
+    per_sample = seq_len x hidden x layers x A                 without activation checkpointing
+                 seq_len x hidden x (layers x CKPT + A)        with it (each layer keeps its input; one layer at a
+                                                               time is recomputed in full)
+    A          = ACT[family] x max(1, MoE width / calibrated) + (EP_EXTRA_PER_K x top-k if autoep_size > 1)
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+from .config import ModelConfig, Recipe
+
+GIB = 2**30
+CANDIDATES = (32, 16, 8, 4, 2, 1)  # powers of 2, capped at 32: the largest that fits is taken
+USABLE_FRACTION = 0.90  # of the device memory (x --memory_fraction): the allocator's cache and fragmentation
+MARGIN_GIB = 1.0  # on top of that: the CUDA context and what the model does not count
+CPU_MICRO, CPU_ACCUM = 8, 1  # the CPU: small and fixed, as zero3.json shipped (the tiny default stays quick)
+SEQUENCES_PER_STEP = 64  # default accumulation target on accelerators: 64 x seq_len tokens per step per GPU
+
+# Calibration (one H200, seq_len 2048, deepseek_2b6: 2,590,255,104 parameters, hidden 2048, 12 layers; the rows are
+# docs/bench/bench_<phase>.jsonl by label, each a `bin/bench.py` run; "m8x2" = micro 8, accumulation 2). The
+# per-sample constants are bytes per (token x hidden x layer); a pair of rows at two micro-batches gives the slope,
+# the rest is the fixed overhead beyond the 16 bytes/parameter of bf16 weights + bf16 gradients + fp32 master +
+# fp32 Adam moments (38.60 GiB for deepseek_2b6).
+ACT = {
+    # AutoEP, compiled around the AutoEP blocks (ZeRO-1/2 on CUDA, train.compile auto): zero2.json as shipped,
+    # F same_init_tuned_m8x8 66.21 GiB and D/I/L/M/N1 16 x 4 88.42 GiB: (88.42 - 66.21) / 8 = 2.776 GiB per sample.
+    "autoep_compiled": 59.23,
+    # AutoEP, eager (ZeRO-3: DeepSpeed cannot compile around AutoEP there; ZeRO-1/2 with compile off): zero3.json,
+    # F z3_ep_m8x2 / G z3_ep_m8x2_fused 68.10 GiB and K z3_ep_m16x4 96.54 GiB: 3.555 GiB per sample. (ZeRO-2 eager,
+    # A2 z2_ep_m8x2 71.56 and z2_ep_m16 94.3, gives 2.84 per sample: this constant over-predicts it, on the safe side.)
+    "autoep_eager": 75.84,
+    # No expert_parallel section (the HF MoE block, bench.py --no_autoep): A/G base_z3_plain_m8x2 71.6 GiB and
+    # A2 base_z3_plain_m16 103.6 GiB: 4.0 GiB per sample.
+    "plain_eager": 85.33,
+}
+# Fixed overhead beyond the states, GiB: ZeRO-3 from the same zero3.json rows (68.10 - 8 x 3.555 - 38.60 = 1.06; the
+# plain rows give 1.0); ZeRO-1/2 from the zero2.json rows (66.21 - 8 x 2.776 - 38.60 = 5.40; with the eager constant
+# this over-predicts A2's eager rows by 1.2 and 7.0 GiB). Stage 0 counts as 1/2.
+FIXED_GIB = {3: 1.06, 2: 5.40, 1: 5.40, 0: 5.40}
+# With activation checkpointing, bytes per (token x hidden x layer) kept between forward and backward, plus one
+# layer's full ACT while it is recomputed: fitted on B seed_bf16_states (deepseek_5b3, 5,342,054,400 parameters,
+# 24 layers, zero3.json with bf16 master weights and Adam moments = 10 bytes/parameter, micro 4: 53.16 GiB):
+# (53.16 - 49.75 - 1.06) / 4 = 0.586 GiB per sample = 2048 x 2048 x (24 x 3.09 + 75.84). Check: B seed_offload_r05
+# (half the fp32 optimizer on the CPU, micro 4) measured 56.19 GiB, predicted 53.2 (3 GiB under: inside the headroom).
+CKPT = 3.09
+# Expert parallelism (autoep_size > 1) adds the all-to-all's dispatch/combine buffers per token: from the only
+# multi-GPU pair measured (2 x H200, zero3.json, deepseek_2b6 with EP 2, 2026-11-30: micro 8 49.7 GiB in
+# docs/benchmarks.md, micro 16 "about 96 GiB" in DESIGN.md): 5.79 GiB per sample against 3.555 on one GPU, i.e.
+# +47.7 bytes per (token x hidden x layer) at top-4 routing, scaled by experts_per_token / 4 (one buffer row per
+# routed copy of a token). Early code and an approximate figure: it errs towards smaller batches.
+EP_EXTRA_PER_K = 47.7 / 4
+# The rows are all one layer shape: top-4 of 1024-wide experts + 2 shared, hidden 2048, i.e. a MoE width per token of
+# (4 + 2) x 1024 / 2048 = 3 hidden sizes. A wider one (deepseek_16b: (6 + 2) x 1408 / 2048 = 5.5) scales ACT up by
+# the ratio, as if every activation grew with it (the attention's do not: safe side); narrower ones are not scaled.
+CALIBRATED_MOE_WIDTH = 3.0
+
+
+def param_counts(m: ModelConfig) -> tuple[int, int]:
+    """(all parameters, routed-expert parameters) of the recipe's model, as transformers builds it (checked against a
+    meta-device build for every shipped recipe in tests/test_auto_batch.py). Routing-bias buffers are not counted."""
+    h, L, E = m.hidden_size, m.num_layers, m.num_experts
+    experts_per_layer = E * 3 * h * m.moe_intermediate_size
+    if m.arch == "deepseek_v3":
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        q = (h * m.num_heads * qk if m.q_lora_rank is None
+             else h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * m.num_heads * qk)
+        attn = (q + h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+                + m.kv_lora_rank * m.num_heads * (m.qk_nope_head_dim + m.v_head_dim) + m.num_heads * m.v_head_dim * h)
+        dense_layers = m.first_dense_layers
+        moe_rest = E * h + 3 * h * m.moe_intermediate_size * m.num_shared_experts  # router + shared experts
+    else:  # qwen3_moe: GQA with q/k norms, every layer MoE, no shared expert
+        hd = h // m.num_heads
+        attn = h * m.num_heads * hd + 2 * h * m.num_kv_heads * hd + m.num_heads * hd * h + 2 * hd
+        dense_layers = 0
+        moe_rest = E * h
+    moe_layers = L - dense_layers
+    total = (2 * m.vocab_size * h + h + L * (attn + 2 * h) + dense_layers * 3 * h * m.intermediate_size
+             + moe_layers * (moe_rest + experts_per_layer))
+    return total, moe_layers * experts_per_layer
+
+
+def _bytes_per_param(cfg: dict) -> tuple[int, int, float]:
+    """(weights, gradients, optimizer) bytes per parameter on the device, from the DS config's precision settings."""
+    bf16, fp16 = cfg.get("bf16") or {}, cfg.get("fp16") or {}
+    half = bool(bf16.get("enabled") or fp16.get("enabled"))
+    weights = 2 if half else 4
+    accum = str((cfg.get("data_types") or {}).get("grad_accum_dtype", "")).lower()
+    grads = 4 if accum in ("fp32", "float32", "float") else weights  # DeepSpeed under ZeRO: the model's dtype
+    master = (2 if bf16.get("bf16_master_weights_and_grads") else 4) if half else 0  # fp32: the weights are master
+    moments = 4 if bf16.get("bf16_optimizer_states") else 8  # Adam's two moments
+    optimizer = master + moments
+    off = (cfg.get("zero_optimization") or {}).get("offload_optimizer") or {}
+    if off.get("device", "none") not in ("none", None):
+        optimizer *= 1.0 - float(off.get("ratio", 1.0))  # the part left on the device
+    return weights, grads, optimizer
+
+
+def states_gib(cfg: dict, recipe: Recipe, dp: int) -> float:
+    """Weights + gradients + optimizer state held by one rank, GiB. ZeRO-1 partitions the optimizer over the
+    data-parallel ranks, ZeRO-2 also the gradients, ZeRO-3 also the weights; the routed experts are split over the
+    expert-parallel ranks first (autoep_size), then partitioned over dp / autoep_size, i.e. 1/dp of them too."""
+    total, experts = param_counts(recipe.model)
+    ep = _ep(cfg)
+    local = total - experts + experts / ep  # what a rank holds unpartitioned
+    weights, grads, optimizer = _bytes_per_param(cfg)
+    stage = _stage(cfg)
+    zero = cfg.get("zero_optimization") or {}
+    if stage >= 3 and (zero.get("offload_param") or {}).get("device", "none") not in ("none", None):
+        weights = 0
+    w = weights * (total / dp if stage >= 3 else local)
+    g = grads * (total / dp if stage >= 2 else local)
+    o = optimizer * (total / dp if stage >= 1 else local)
+    return (w + g + o) / GIB
+
+
+def family(cfg: dict, recipe: Recipe, device: str) -> str:
+    """Which calibration the run follows: AutoEP compiled, AutoEP eager, or the plain HF MoE block (eager)."""
+    from .ds_config import compile_blocker, uses_expert_parallel
+
+    if not uses_expert_parallel(cfg):
+        return "plain_eager"
+    compiled = (device in ("cuda", "rocm") and compile_blocker(cfg) is None if recipe.train.compile == "auto"
+                else bool(recipe.train.compile))  # as engine.pretrain.wants_compile decides it
+    return "autoep_compiled" if compiled else "autoep_eager"
+
+
+def per_sample_gib(cfg: dict, recipe: Recipe, device: str) -> float:
+    m, seq = recipe.model, recipe.data.seq_len
+    shared = m.num_shared_experts if m.arch == "deepseek_v3" else 0
+    width = (m.experts_per_token + shared) * m.moe_intermediate_size / m.hidden_size
+    act = ACT[family(cfg, recipe, device)] * max(1.0, width / CALIBRATED_MOE_WIDTH)
+    act += EP_EXTRA_PER_K * m.experts_per_token if _ep(cfg) > 1 else 0.0
+    per_token_hidden = (m.num_layers * CKPT + act) if recipe.train.activation_checkpointing else m.num_layers * act
+    return seq * m.hidden_size * per_token_hidden / GIB
+
+
+def predict_peak_gib(cfg: dict, recipe: Recipe, dp: int, micro: int, device: str = "cuda") -> float:
+    """Predicted peak device memory of one rank at micro-batch `micro` (cfg: the DS config, autoep_size resolved)."""
+    return states_gib(cfg, recipe, dp) + FIXED_GIB[min(_stage(cfg), 3)] + micro * per_sample_gib(cfg, recipe, device)
+
+
+def _stage(cfg: dict) -> int:
+    s = (cfg.get("zero_optimization") or {}).get("stage", 0)
+    return s if isinstance(s, int) else 0
+
+
+def _ep(cfg: dict) -> int:
+    from .ds_config import uses_expert_parallel
+
+    size = (cfg.get("expert_parallel") or {}).get("autoep_size", 1)
+    return size if uses_expert_parallel(cfg) and isinstance(size, int) and size >= 1 else 1
+
+
+def device_memory_gib(device: str, fraction: float | None = None) -> float | None:
+    """This rank's device memory in GiB (x `fraction`: --memory_fraction, which the entry point also gives torch as
+    the per-process cap once the device is set), None on the CPU. Asked before any rank sets its device, so it
+    reads LOCAL_RANK."""
+    if device == "cpu":
+        return None
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    import torch
+
+    if device in ("cuda", "rocm"):
+        total = torch.cuda.get_device_properties(local).total_memory
+    else:
+        from deepspeed.accelerator import get_accelerator
+
+        total = get_accelerator().total_memory(local)
+    return total * (fraction if fraction else 1.0) / GIB
+
+
+@dataclass
+class AutoBatch:
+    """What resolving "auto" batch sizes needs (entry points that support it pass one to resolve_ds_config), and,
+    once resolved, what was chosen and why (`note`: one line, printed at start by rank 0)."""
+    memory_gib: float | None = None
+    """Device memory per rank in GiB, already times the memory fraction (device_memory_gib); None on the CPU."""
+    recorded: dict | None = None
+    """On --resume: the checkpoint's engine_state.json ("micro_batch", "grad_accum"); these win over a fresh "auto"."""
+    note: str = ""
+    chosen: dict = field(default_factory=dict)
+
+    def resolve(self, cfg: dict, recipe: Recipe, dp: int, device: str) -> list[str]:
+        """Fill cfg's "auto" micro-batch and accumulation in place; returns problems (nothing fits the device)."""
+        micro_auto = cfg.get("train_micro_batch_size_per_gpu") == "auto"
+        accum_auto = cfg.get("gradient_accumulation_steps", 1) == "auto"
+        rec = self.recorded or {}
+        why = []
+        if micro_auto:
+            micro, why_micro, problem = self.pick_micro(cfg, recipe, dp, device)
+            if problem and rec.get("micro_batch") is None:
+                return [problem]
+            if rec.get("micro_batch") is not None:
+                if rec["micro_batch"] != micro:
+                    why_micro = (f"the checkpoint's, kept for an exact resume; auto would pick "
+                                 f"{micro if not problem else 'none'} here: {why_micro or problem}")
+                else:
+                    why_micro = f"the checkpoint's, the same as auto here: {why_micro}"
+                micro = rec["micro_batch"]
+            cfg["train_micro_batch_size_per_gpu"] = micro
+            why.append(f"micro-batch {micro}: {why_micro}")
+        micro = cfg.get("train_micro_batch_size_per_gpu")
+        if accum_auto:
+            if not isinstance(micro, int) or isinstance(micro, bool) or micro < 1:
+                return []  # reported by the batch-size check
+            accum, why_accum = self.pick_accum(recipe, micro, device)
+            if rec.get("grad_accum") is not None:
+                if rec["grad_accum"] != accum:
+                    why_accum = f"the checkpoint's, kept for an exact resume; auto would pick {accum} here: {why_accum}"
+                else:
+                    why_accum = f"the checkpoint's, the same as auto here: {why_accum}"
+                accum = rec["grad_accum"]
+            cfg["gradient_accumulation_steps"] = accum
+            why.append(f"accumulation {accum}: {why_accum}")
+        self.chosen = {"micro_batch": cfg["train_micro_batch_size_per_gpu"],
+                       "grad_accum": cfg.get("gradient_accumulation_steps", 1)}
+        self.note = (f"batch: micro-batch {self.chosen['micro_batch']} x {self.chosen['grad_accum']} accumulation per "
+                     f"GPU (\"auto\": {'; '.join(why)})")
+        return []
+
+    def pick_micro(self, cfg: dict, recipe: Recipe, dp: int, device: str) -> tuple[int, str, str | None]:
+        """(micro-batch, why, problem): the largest candidate whose predicted peak fits; problem if none does."""
+        if device == "cpu" or self.memory_gib is None:
+            return CPU_MICRO, "the CPU's fixed value", None
+        usable = USABLE_FRACTION * self.memory_gib - MARGIN_GIB
+        peaks = {m: predict_peak_gib(cfg, recipe, dp, m, device) for m in CANDIDATES}
+        fits = [m for m in CANDIDATES if peaks[m] <= usable]
+        where = (f"{usable:.1f} GiB usable ({USABLE_FRACTION:.0%} of {self.memory_gib:.1f} GiB less "
+                 f"{MARGIN_GIB:g} GiB)")
+        if fits:
+            m = fits[0]
+            bigger = [c for c in CANDIDATES if c > m]
+            nxt = f"; {bigger[-1]} would need {peaks[bigger[-1]]:.1f}" if bigger else ""
+            return m, f"predicted peak {peaks[m]:.1f} GiB of {where}{nxt}", None
+        states = states_gib(cfg, recipe, dp)
+        return 1, "", (f'train_micro_batch_size_per_gpu "auto": nothing fits this device: predicted peak '
+                       f"{peaks[1]:.1f} GiB at micro-batch 1 (weights, gradients and optimizer state alone "
+                       f"{states:.1f} GiB per rank on {dp} data-parallel rank{'s' if dp > 1 else ''}) against "
+                       f"{where}; use more GPUs (ZeRO-3 splits the states), ds_configs/zero3_offload.json or "
+                       f"zero3_bf16_states.json, or write a number to try anyway")
+
+    def pick_accum(self, recipe: Recipe, micro: int, device: str) -> tuple[int, str]:
+        seq = recipe.data.seq_len
+        target = recipe.train.tokens_per_step_per_gpu
+        if target is None:
+            if device == "cpu" or self.memory_gib is None:
+                return CPU_ACCUM, "the CPU's fixed value"
+            target, what = SEQUENCES_PER_STEP * seq, f"{SEQUENCES_PER_STEP} x {seq} tokens per step per GPU (default)"
+        else:
+            what = f"train.tokens_per_step_per_gpu {target}"
+        accum = max(1, math.floor(target / (micro * seq) + 0.5))
+        return accum, f"{what} / ({micro} x {seq})"

@@ -1,0 +1,259 @@
+""""auto" micro-batch and accumulation (engine/auto_batch.py): unit tests of the resolver, no launches.
+
+The device memory is a parameter (AutoBatch.memory_gib), so the GPU cases run on this CPU: the memory model picks the
+same values for the same memory and recipe every time, reproduces the measured peaks it was fitted on, keeps a number
+written in the file, keeps the checkpoint's values on resume, and refuses bad values with one line.
+"""
+import json
+
+import pytest
+
+from conftest import ROOT, run_in_process, write_ds
+
+from engine.auto_batch import AutoBatch, param_counts, predict_peak_gib
+from engine.config import RECIPES, ConfigError, load_recipe
+from engine.ds_config import read_ds_config, resolve_ds_config
+
+ZERO2, ZERO3 = ROOT / "ds_configs" / "zero2.json", ROOT / "ds_configs" / "zero3.json"
+H200, H200_AT_80GB, H100 = 140.4, 0.5596 * 140.4, 79.65  # GiB: torch's total_memory of each (143771 / 81559 MiB)
+
+
+def resolve(ds, recipe="deepseek_2b6", memory=None, device="cuda", world=1, recorded=None, **overrides):
+    """(micro, accum, note) that "auto" resolves to for `ds` (a path or a dict) on `world` devices of `memory` GiB."""
+    raw = read_ds_config(ds) if not isinstance(ds, dict) else ds
+    r = recipe if not isinstance(recipe, str) else load_recipe(RECIPES / f"{recipe}.yaml", overrides)
+    auto = AutoBatch(memory_gib=memory, recorded=recorded)
+    cfg = resolve_ds_config(raw, r, world_size=world, ranks_per_node=min(world, 8), device=device, auto_batch=auto)
+    assert cfg["train_batch_size"] == cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * world
+    return cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"], auto.note
+
+
+def test_the_shipped_files_say_auto():
+    for ds in (ZERO2, ZERO3):
+        raw = read_ds_config(ds)
+        assert raw["train_micro_batch_size_per_gpu"] == raw["gradient_accumulation_steps"] == "auto"
+
+
+@pytest.mark.parametrize("ds, recipe, memory, expect", [
+    (ZERO2, "deepseek_2b6", 141.0, (16, 4)),          # the tuned config as measured on one H200 (44% MFU)
+    (ZERO2, "deepseek_2b6", H200, (16, 4)),
+    (ZERO2, "deepseek_2b6", H200_AT_80GB, (8, 8)),    # 66.2 GiB measured at micro 8 (bench_F)
+    (ZERO2, "deepseek_2b6", H100, (8, 8)),
+    (ZERO3, "deepseek_2b6", 141.0, (16, 4)),          # 96.5 GiB measured at 16 x 4 (bench_K)
+    (ZERO3, "deepseek_2b6", H200_AT_80GB, (8, 8)),    # 68.1 GiB at micro 8 (bench_F/G, phase H)
+    (ZERO3, "deepseek_5b3", 141.0, (32, 2)),          # activation checkpointing: 0.59 GiB per sample
+    (ZERO2, "deepseek_5b3", 141.0, (32, 2)),
+])
+def test_auto_resolves_deterministically_from_memory_and_recipe(ds, recipe, memory, expect):
+    first = resolve(ds, recipe, memory)
+    assert first[:2] == expect, first[2]
+    assert resolve(ds, recipe, memory) == first  # the same values and the same line every time
+    micro = expect[0]
+    assert first[2].startswith(f'batch: micro-batch {micro} x {expect[1]} accumulation per GPU ("auto": micro-batch '
+                               f"{micro}: predicted peak ")
+    assert f"accumulation {expect[1]}: 64 x 2048 tokens per step per GPU (default) / ({micro} x 2048))" in first[2]
+
+
+def test_the_line_says_why():
+    _, _, note = resolve(ZERO2, "deepseek_2b6", 141.0)
+    assert note == ('batch: micro-batch 16 x 4 accumulation per GPU ("auto": micro-batch 16: predicted peak 88.4 GiB '
+                    "of 125.9 GiB usable (90% of 141.0 GiB less 1 GiB); 32 would need 132.8; accumulation 4: 64 x "
+                    "2048 tokens per step per GPU (default) / (16 x 2048))")
+
+
+def test_the_cpu_keeps_the_values_the_files_shipped_with():
+    """The tiny default (zero3.json) on the CPU: exactly the DS config the file gave when it said 8 x 1, so the same
+    run at the same speed; zero2.json too (it said 16 x 4 for GPUs; on the CPU auto is 8 x 1)."""
+    tiny = load_recipe(None)
+    for ds in (ZERO3, ZERO2):
+        assert resolve(ds, tiny, device="cpu") == (8, 1, 'batch: micro-batch 8 x 1 accumulation per GPU ("auto": '
+                                                         "micro-batch 8: the CPU's fixed value; accumulation 1: the "
+                                                         "CPU's fixed value)")
+    raw = read_ds_config(ZERO3)
+    before = {**raw, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1}  # the file until now
+    assert (resolve_ds_config(raw, tiny, 1, 1, auto_batch=AutoBatch())
+            == resolve_ds_config(before, tiny, 1, 1, auto_batch=AutoBatch()))
+    assert resolve(ZERO3, tiny, device="cpu", world=2)[:2] == (8, 1)
+    # an accumulation target in the recipe applies on the CPU too: 4096 tokens / (8 x 128)
+    assert resolve(ZERO3, "tiny", device="cpu", **{"train.tokens_per_step_per_gpu": 4096})[:2] == (8, 4)
+
+
+def test_a_written_number_is_never_changed():
+    raw = read_ds_config(ZERO2)
+    both = {**raw, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}
+    for memory in (H200, H200_AT_80GB, 10.0):
+        assert resolve(both, "deepseek_2b6", memory) == (4, 3, "")  # nothing chosen, nothing printed
+        assert resolve({**raw, "train_micro_batch_size_per_gpu": 32}, "deepseek_2b6", memory)[:2] == (32, 2)
+    assert resolve({**raw, "gradient_accumulation_steps": 1}, "deepseek_2b6", H200)[:2] == (16, 1)
+    assert resolve({**raw, "gradient_accumulation_steps": 1}, "deepseek_2b6", H200_AT_80GB)[:2] == (8, 1)
+    assert read_ds_config(ZERO2)["train_micro_batch_size_per_gpu"] == "auto"  # the caller's dict is a copy
+    assert raw["train_micro_batch_size_per_gpu"] == "auto"
+
+
+def test_accumulation_follows_the_token_target():
+    raw = read_ds_config(ZERO3)
+    assert resolve(raw, "deepseek_2b6", H200, **{"train.tokens_per_step_per_gpu": 65536})[:2] == (16, 2)
+    assert resolve(raw, "deepseek_2b6", H200, **{"train.tokens_per_step_per_gpu": 1000})[:2] == (16, 1)  # >= 1
+    assert resolve(raw, "deepseek_2b6", H200, **{"train.tokens_per_step_per_gpu": 81920})[:2] == (16, 3)  # 2.5 -> 3
+    assert resolve(raw, "deepseek_2b6", H200, **{"data.seq_len": 1024})[:2] == (32, 2)  # 64 x 1024 per step
+
+
+def test_resume_keeps_the_checkpoints_values():
+    """--resume resolves "auto" to the values `latest` was trained with, even where a fresh "auto" would differ
+    (exact resume depends on them), and says so; a number written in the file still wins."""
+    same = resolve(ZERO2, "deepseek_2b6", H200, recorded={"micro_batch": 16, "grad_accum": 4})
+    assert same[:2] == (16, 4) and "micro-batch 16: the checkpoint's, the same as auto here: predicted peak" in same[2]
+    micro, accum, note = resolve(ZERO2, "deepseek_2b6", H200_AT_80GB, recorded={"micro_batch": 16, "grad_accum": 4})
+    assert (micro, accum) == (16, 4)
+    assert ("micro-batch 16: the checkpoint's, kept for an exact resume; auto would pick 8 here: predicted peak 66.2 "
+            "GiB") in note
+    assert "accumulation 4: the checkpoint's, kept for an exact resume; auto would pick 4 here" not in note
+    assert "accumulation 4: the checkpoint's, the same as auto here: 64 x 2048 tokens" in note  # 64 / 16 = 4
+    # a checkpoint from before "auto" records no accumulation: that one is resolved afresh for the kept micro-batch
+    assert resolve(ZERO2, "deepseek_2b6", H200_AT_80GB, recorded={"micro_batch": 16})[:2] == (16, 4)
+    # the recorded values also stand where nothing would fit afresh
+    assert resolve(ZERO3, "deepseek_5b3", H200_AT_80GB, recorded={"micro_batch": 2, "grad_accum": 32})[:2] == (2, 32)
+    raw = {**read_ds_config(ZERO2), "train_micro_batch_size_per_gpu": 8}
+    assert resolve(raw, "deepseek_2b6", H200, recorded={"micro_batch": 16, "grad_accum": 4})[:2] == (8, 4)
+
+
+def test_resume_reads_the_recorded_values_from_latest(tmp_path):
+    from engine.checkpoint import recorded_batch
+
+    assert recorded_batch(tmp_path) is None  # no checkpoint: check_resume says so
+    tag = tmp_path / "checkpoints" / "step_00000010"
+    tag.mkdir(parents=True)
+    (tmp_path / "checkpoints" / "latest").write_text("step_00000010")
+    (tag / "engine_state.json").write_text(json.dumps({"step": 10, "micro_batch": 16, "grad_accum": 4}))
+    assert recorded_batch(tmp_path) == {"micro_batch": 16, "grad_accum": 4}
+    # saved before "auto": the accumulation follows from the tokens per step (10 steps of 8 x 3 x 2 ranks x 128)
+    old = {"step": 10, "micro_batch": 8, "world_size": 2, "pipeline_stages": 0, "tokens": 10 * 8 * 3 * 2 * 128,
+           "recipe": {"data": {"seq_len": 128}}}
+    (tag / "engine_state.json").write_text(json.dumps(old))
+    assert recorded_batch(tmp_path) == {"micro_batch": 8, "grad_accum": 3}
+    (tag / "engine_state.json").write_text(json.dumps({**old, "tokens": 1001}))
+    assert recorded_batch(tmp_path) == {"micro_batch": 8}  # not a whole number: resolved afresh
+    (tag / "engine_state.json").write_text("{not json")
+    assert recorded_batch(tmp_path) is None
+
+
+def test_the_model_reproduces_the_peaks_it_was_fitted_on():
+    """The measured rows (docs/bench/bench_*.jsonl, one H200, seq 2048) against the model, in GiB."""
+    r26, r53 = load_recipe(RECIPES / "deepseek_2b6.yaml"), load_recipe(RECIPES / "deepseek_5b3.yaml")
+    z2, z3 = read_ds_config(ZERO2), read_ds_config(ZERO3)
+    for cfg in (z2, z3):
+        cfg["expert_parallel"]["autoep_size"] = 1
+    plain = {k: v for k, v in z3.items() if k != "expert_parallel"}
+    bf16_states = {**z3, "bf16": {"enabled": True, "bf16_master_weights_and_grads": True,
+                                  "bf16_optimizer_states": True}}
+    rows = [(z2, r26, 8, 66.21), (z2, r26, 16, 88.42),          # F same_init_tuned_m8x8; D/I/L/M/N1 tuned
+            (z3, r26, 8, 68.10), (z3, r26, 16, 96.54),          # F z3_ep_m8x2; K z3_ep_m16x4
+            (plain, r26, 8, 71.6), (plain, r26, 16, 103.6),     # A base_z3_plain_m8x2; A2 base_z3_plain_m16
+            (bf16_states, r53, 4, 53.16)]                       # B seed_bf16_states
+    for cfg, r, micro, measured in rows:
+        assert predict_peak_gib(cfg, r, dp=1, micro=micro) == pytest.approx(measured, abs=0.15), (micro, measured)
+
+
+def test_parameter_counts_match_the_built_models():
+    """The analytic count the memory model uses, against transformers' own build on the meta device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.model import make_hf_config
+
+    for path in sorted(RECIPES.glob("*.yaml")):
+        m = load_recipe(path).model
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(make_hf_config(m))
+        total = sum(p.numel() for p in model.parameters())
+        experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+        assert param_counts(m) == (total, experts), path.name
+    assert param_counts(load_recipe(RECIPES / "deepseek_2b6.yaml").model)[0] == 2_590_255_104  # docs/benchmarks.md
+
+
+def test_more_gpus_split_the_states():
+    # ZeRO-3 over 8 ranks: a 5.3B model whose states alone overflow one 80 GB GPU fits 8 of them
+    assert resolve(ZERO3, "deepseek_5b3", H100, world=8)[:2] == (32, 2)
+    # expert parallelism adds the all-to-all buffers: 2.6B on 2 GPUs stays at 16 (measured ~96 GiB, 2026-11-30)
+    assert resolve(ZERO3, "deepseek_2b6", H200, world=2)[:2] == (16, 4)
+
+
+BAD = [
+    ({"train_micro_batch_size_per_gpu": 0}, 'train_micro_batch_size_per_gpu (0) must be a positive integer or "auto"'),
+    ({"train_micro_batch_size_per_gpu": -8}, 'train_micro_batch_size_per_gpu (-8) must be a positive integer or "auto"'),
+    ({"train_micro_batch_size_per_gpu": "big"},
+     "train_micro_batch_size_per_gpu ('big') must be a positive integer or \"auto\""),
+    ({"gradient_accumulation_steps": 0}, 'gradient_accumulation_steps (0) must be a positive integer or "auto"'),
+    ({"gradient_accumulation_steps": 2.5}, 'gradient_accumulation_steps (2.5) must be a positive integer or "auto"'),
+    ({"gradient_clipping": "auto"},
+     'gradient_clipping: "auto" is not supported there (the engine fills in "auto" only for train_batch_size, '
+     "train_micro_batch_size_per_gpu, gradient_accumulation_steps, optimizer.params.lr, expert_parallel.autoep_size "
+     "and expert_parallel.combine_impl); write a value"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}}},
+     'optimizer.params.weight_decay: "auto" is not supported there'),
+    ({"train_batch_size": 64},  # a written total is checked against what "auto" chose (8 x 1 on this CPU)
+     "train_batch_size (64) != train_micro_batch_size_per_gpu (8) x gradient_accumulation_steps (1) x data-parallel "
+     'size (1) = 8; fix one of them or set train_batch_size to "auto"'),
+]
+
+
+@pytest.mark.parametrize("changes, expect", BAD, ids=[str(c) for c, _ in BAD])
+def test_bad_values_are_refused_with_one_line(changes, expect):
+    raw = {**read_ds_config(ZERO3), **changes}
+    with pytest.raises(ConfigError) as e:
+        resolve_ds_config(raw, load_recipe(None), 1, 1, where="DeepSpeed config ds.json", auto_batch=AutoBatch())
+    assert str(e.value).startswith("DeepSpeed config ds.json: ") and expect in str(e.value), str(e.value)
+
+
+def test_auto_where_it_is_not_supported():
+    tiny = load_recipe(None)
+    pipe = read_ds_config(ROOT / "ds_configs" / "pipe.json")
+    with pytest.raises(ConfigError, match='^DeepSpeed config: train_micro_batch_size_per_gpu "auto": not supported '
+                                          r"with a pipeline section \(the memory model covers ZeRO without a "
+                                          r"pipeline\); write a number \(ds_configs/pipe.json has 4 x 4\)$"):
+        resolve_ds_config({**pipe, "train_micro_batch_size_per_gpu": "auto"}, tiny, 2, 2, auto_batch=AutoBatch())
+    # entry points that do not resolve it (bin/grpo.py) pass no AutoBatch
+    with pytest.raises(ConfigError, match='^DeepSpeed config: train_micro_batch_size_per_gpu "auto" and '
+                                          'gradient_accumulation_steps "auto": resolved by bin/pretrain.py and '
+                                          r"bin/bench.py only \(from the device's memory\); write a number here "
+                                          r"\(bin/grpo.py: ds_configs/zero3_grpo.json has 16 x 4\)$"):
+        resolve_ds_config(read_ds_config(ZERO3), tiny, 1, 1)
+
+
+def test_nothing_fits_is_one_line():
+    with pytest.raises(ConfigError) as e:
+        resolve(ZERO3, "deepseek_5b3", H200_AT_80GB)
+    assert str(e.value) == (
+        'DeepSpeed config: train_micro_batch_size_per_gpu "auto": nothing fits this device: predicted peak 81.2 GiB '
+        "at micro-batch 1 (weights, gradients and optimizer state alone 79.6 GiB per rank on 1 data-parallel rank) "
+        "against 69.7 GiB usable (90% of 78.6 GiB less 1 GiB); use more GPUs (ZeRO-3 splits the states), "
+        "ds_configs/zero3_offload.json or zero3_bf16_states.json, or write a number to try anyway")
+
+
+def test_grpo_refuses_auto_before_any_work(monkeypatch):
+    from engine.grpo import parse_args, preflight
+    from engine.parallel import World
+
+    monkeypatch.chdir(ROOT)  # grpo_tiny.yaml's paths
+    args = parse_args(["--deepspeed_config", str(ZERO3), "--config", str(RECIPES / "grpo_tiny.yaml")])
+    with pytest.raises(ConfigError, match=r'^DeepSpeed config .*zero3.json: train_micro_batch_size_per_gpu "auto" '
+                                          'and gradient_accumulation_steps "auto": resolved by bin/pretrain.py'):
+        preflight(args, World(rank=0, size=1, local_size=1))
+
+
+@pytest.mark.parametrize("args, ds_changes, expect", [
+    ([], {"train_micro_batch_size_per_gpu": 0},
+     'DeepSpeed config DS: train_micro_batch_size_per_gpu (0) must be a positive integer or "auto"'),
+    (["--memory_fraction", "1.5"], {}, "--memory_fraction (1.5) must be in (0, 1], e.g. 0.5596 for 80 GB of an H200"),
+])
+def test_pretrain_exits_2_with_one_line_before_any_rank_starts(tmp_path, capfd, monkeypatch, args, ds_changes,
+                                                                expect):
+    from engine.pretrain import main
+
+    ds = write_ds(tmp_path / "ds.json", **ds_changes)
+    p = run_in_process(main, ["--deepspeed_config", str(ds), "--run_dir", str(tmp_path / "run"), *args], capfd,
+                       monkeypatch, cwd=tmp_path, RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, LOCAL_SIZE=1)
+    assert p.returncode == 2
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert lines == [f"error: {expect.replace('DS', str(ds))}"], p.stderr
+    assert not (tmp_path / "run").exists()
