@@ -11,12 +11,18 @@ LOG=$OUT/auto_batch_logs.txt; PORT=29700
 python3 -c "from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load()" > /dev/null 2>&1
 run() {  # run LABEL LIMIT ARGS...: one bench run
   local label=$1 lim=$2; shift 2; PORT=$((PORT + 1)); local t=$SECONDS
-  echo "== $label: bin/bench.py $*" >> "$LOG"
   timeout -k 10 "$lim" $DS --master_port $PORT --num_gpus 1 bin/bench.py --steps 10 --warmup 3 --label "$label" \
-    --out "$OUT/auto_batch.jsonl" "$@" >> "$LOG" 2>&1
-  echo "$label: exit $? in $((SECONDS - t))s | $(grep -m1 -oE 'batch: micro-batch [0-9]+ x [0-9]+|error: .{0,200}|OutOfMemoryError' "$LOG" | tail -1)"
+    --out "$OUT/auto_batch.jsonl" "$@" > /tmp/auto_batch_run.log 2>&1
+  local rc=$?
+  { echo "== $label: bin/bench.py $*"; cat /tmp/auto_batch_run.log; } >> "$LOG"
+  echo "$label: exit $rc in $((SECONDS - t))s | $(grep -m1 -oE 'batch: micro-batch [0-9]+ x [0-9]+|error: .{0,200}|OutOfMemoryError' /tmp/auto_batch_run.log)"
 }
 R2=engine/recipes/deepseek_2b6.yaml; R5=engine/recipes/deepseek_5b3.yaml
+if [ -n "${ONLY_5B3:-}" ]; then  # deepseek_5b3 uncapped ("auto" predicts micro 32 x 2 there; never measured before)
+  run z3_5b3 200 --deepspeed_config ds_configs/zero3.json --config $R5
+  run z2_5b3 200 --deepspeed_config ds_configs/zero2.json --config $R5
+  exit 0
+fi
 run z2_2b6 150 --deepspeed_config ds_configs/zero2.json --config $R2
 run z3_2b6 150 --deepspeed_config ds_configs/zero3.json --config $R2
 run z2_2b6_80g 150 --deepspeed_config ds_configs/zero2.json --config $R2 --memory_fraction 0.5596
