@@ -234,8 +234,8 @@ RECIPE_LINES = {
                               "grpo.curriculum.unseen_share (-0.25) must be in [0, 1]: the share of each step's "
                               "prompts drawn from prompts not tried yet"),
     "outside_weight": ("grpo: {curriculum: {outside_weight: 0}}",
-                       "grpo.curriculum.outside_weight (0.0) must be in (0, 1]: prompts outside the band are drawn less "
-                       "often than those inside it, but never starved"),
+                       "grpo.curriculum.outside_weight (0.0) must be in (0, 1]: prompts outside the band are drawn "
+                       "less often than those inside it, but never starved"),
     "data_mode": ("data: {curriculum: {mode: lenght}}",
                   "data.curriculum.mode: 'lenght' is not one of none, length, score"),
     "data_score_without_column": ("data: {curriculum: {mode: score}}",
