@@ -374,7 +374,8 @@ def load(engine, run_dir: str | Path) -> dict:
         torch.set_rng_state(rng["torch"])
     saved = json.loads((root / tag / STATE_FILE).read_text())
     position = resume_position(saved, engine.train_micro_batch_size_per_gpu(), dist.get_world_size())
-    return {"step": client["step"], "position": position, "tokens": client["tokens"]}
+    extra = {"curriculum": saved["curriculum"]} if "curriculum" in saved else {}  # grpo.curriculum's statistics
+    return {"step": client["step"], "position": position, "tokens": client["tokens"], **extra}
 
 
 def _rebuild_cpu_adam_products(engine) -> None:

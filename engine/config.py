@@ -55,6 +55,19 @@ class ModelConfig:
 
 
 @dataclass
+class DataCurriculumConfig:
+    """The order of the documents in the first epoch of pretraining (engine/curriculum.py: document_order)."""
+    mode: str = "none"
+    """none (windows shuffled by the seed) | length (documents short to long, in tokens) | score (by score_column,
+    low to high). Ordered documents are packed in that order and the first epoch reads the windows in it (later
+    epochs are shuffled as without a curriculum); ties keep a seeded random order. Map-style data only."""
+    score_column: str | None = None
+    """mode score: a numeric column of data.path (e.g. a difficulty)."""
+    reverse: bool = False
+    """Long to short, or high to low score."""
+
+
+@dataclass
 class DataConfig:
     path: str = str(ASSETS / "corpus.jsonl")
     """A local .jsonl/.json/.parquet/.txt file, a folder of them, or a hub dataset name."""
@@ -65,6 +78,8 @@ class DataConfig:
     streaming: bool = False
     """Stream and tokenize on the fly instead of tokenizing everything up front."""
     split: str = "train"
+    curriculum: DataCurriculumConfig = field(default_factory=DataCurriculumConfig)
+    """Pretraining only: order the first epoch's documents (short to long, or by a score column)."""
 
 
 @dataclass
@@ -103,6 +118,30 @@ class CheckpointConfig:
 
 
 @dataclass
+class CurriculumConfig:
+    """grpo.curriculum: which prompts each step draws, from their pass rates so far (engine/curriculum.py).
+
+    Per prompt: attempts, passes (completions whose total reward >= pass_threshold) and the reward sum, over all
+    ranks. Each step draws its global batch of prompts: round(unseen_share x batch) from prompts never tried
+    (uniformly), the rest from tried ones with weight 1 when the pass rate estimate (passes / attempts) lies in
+    `band`, `outside_weight` when it does not (always or never solved: sampled rarely, never starved), without
+    replacement. Too few tried prompts: the rest is unseen ones; too few unseen: the rest is tried ones."""
+    enabled: bool = False
+    band: list = field(default_factory=lambda: [0.2, 0.8])
+    """[low, high]: pass rates (inclusive) that get full weight; 0 <= low <= high <= 1."""
+    unseen_share: float = 0.25
+    """Share of each step's prompts drawn from prompts not tried yet, while there are any."""
+    outside_weight: float = 0.1
+    """Weight of a tried prompt whose pass rate is outside the band, against 1 inside it; in (0, 1]."""
+    pass_threshold: float = 1.0
+    """A completion passes when its total reward (the weighted sum of grpo.rewards) is >= this. 1.0: the numeric
+    reward's full score at weight 1 (a format reward of 0.5 alone does not pass)."""
+    decay: float = 0.5
+    """When a prompt is drawn again its earlier counts are first multiplied by this, so the estimate follows the
+    policy as it learns; 1.0 keeps every attempt at full weight. In [0, 1]."""
+
+
+@dataclass
 class GRPOConfig:
     """GRPO (bin/grpo.py). Per step each rank takes micro_batch x grad_accum / group_size prompts from the DS
     config's batch sizes, samples group_size completions of each, and makes `iterations` optimizer steps."""
@@ -135,6 +174,8 @@ class GRPOConfig:
     eval_path: str | None = None
     """Held-out prompts (jsonl with prompt/answer), scored greedily at eval_every steps."""
     eval_every: int = 10
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
+    """Draw prompts by their pass rates so far (enabled: true turns it on with these defaults)."""
 
 
 @dataclass
@@ -281,6 +322,41 @@ def validate(r: Recipe) -> list[str]:
         p.append(f"grpo.rollout: {g.rollout!r} is not one of auto, local, engine")
     if g.eval_path is not None and not Path(g.eval_path).exists():
         p.append(f"grpo.eval_path {g.eval_path}: no such file")
+    p += curriculum_problems(g.curriculum, d)
     if c.every_steps < 0 or c.every_minutes < 0 or c.keep_last < 1:
         p.append("checkpoint: every_steps and every_minutes must be >= 0 and keep_last >= 1")
+    return p
+
+
+DATA_CURRICULA = ("none", "length", "score")
+
+
+def curriculum_problems(c: CurriculumConfig, d: DataConfig) -> list[str]:
+    """grpo.curriculum and data.curriculum."""
+    p = []
+    band = c.band
+    if len(band) != 2 or not all(_type_ok(x, float) for x in band):
+        p.append(f"grpo.curriculum.band: expected [low, high], two pass rates, got {band!r}")
+    elif not all(0.0 <= x <= 1.0 for x in band):
+        p.append(f"grpo.curriculum.band {band}: both ends must be in [0, 1] (pass rates), e.g. [0.2, 0.8]")
+    elif band[0] > band[1]:
+        p.append(f"grpo.curriculum.band {band}: low must be <= high (inverted); write [{band[1]}, {band[0]}]")
+    if not 0.0 <= c.unseen_share <= 1.0:
+        p.append(f"grpo.curriculum.unseen_share ({c.unseen_share}) must be in [0, 1]: the share of each step's "
+                 "prompts drawn from prompts not tried yet")
+    if not 0.0 < c.outside_weight <= 1.0:
+        p.append(f"grpo.curriculum.outside_weight ({c.outside_weight}) must be in (0, 1]: prompts outside the band "
+                 "are drawn less often than those inside it, but never starved")
+    if not 0.0 <= c.decay <= 1.0:
+        p.append(f"grpo.curriculum.decay ({c.decay}) must be in [0, 1]")
+    dc = d.curriculum
+    if dc.mode not in DATA_CURRICULA:
+        p.append(f"data.curriculum.mode: {dc.mode!r} is not one of {', '.join(DATA_CURRICULA)}")
+    elif dc.mode == "score" and not dc.score_column:
+        p.append("data.curriculum.mode score needs data.curriculum.score_column: a numeric column of data.path")
+    elif dc.mode != "none" and d.streaming:
+        p.append(f"data.curriculum.mode {dc.mode} needs map-style data (ordering sees every document first); set "
+                 "data.streaming: false, or data.curriculum.mode: none")
+    if dc.mode != "score" and dc.score_column is not None and dc.mode in DATA_CURRICULA:
+        p.append(f"data.curriculum.score_column is set but data.curriculum.mode is {dc.mode}; set mode: score")
     return p

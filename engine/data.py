@@ -4,7 +4,9 @@ Map-style (default): every document is tokenized once, joined with EOS and cut i
 the windows are shuffled by the seed (the same order whatever the world size). Micro-batch j of rank r
 holds global positions  j*micro*world + r*micro + [0, micro): the ranks' shards are disjoint, together
 they cover the set, and a global batch is the same sequences on 1 rank or on N. The data position is
-just j, so resuming is exact.
+just j, so resuming is exact. With `data.curriculum` (length, or a score column) the documents are sorted before
+packing and the first epoch reads the windows in that order instead of shuffled: ordering is a step before
+sharding, so the shards stay disjoint and the position one integer (engine/curriculum.py).
 
 Streaming (`data.streaming: true`): `datasets.distributed.split_dataset_by_node` gives each rank its own
 files (or every world-th example), tokenized and packed on the fly; the stream repeats epochs forever so
@@ -22,6 +24,7 @@ import numpy as np
 import torch
 
 from .config import ConfigError, DataConfig
+from .curriculum import document_keys, document_order
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 
@@ -104,12 +107,13 @@ def pack(token_lists, eos: int, seq_len: int) -> np.ndarray:
 
 
 class PackedSequences:
-    """Map-style: all sequences in memory, global order fixed by the seed."""
+    """Map-style: all sequences in memory, global order fixed by the seed. `ordered`: the first epoch reads them as
+    they are (a curriculum packed them in its order); later epochs are shuffled."""
 
-    def __init__(self, sequences: np.ndarray, seed: int):
+    def __init__(self, sequences: np.ndarray, seed: int, ordered: bool = False):
         if len(sequences) == 0:
             raise ConfigError("data: the dataset packs into zero sequences; use more text or a smaller data.seq_len")
-        self.sequences, self.seed = sequences, seed
+        self.sequences, self.seed, self.ordered = sequences, seed, ordered
         self._orders: dict[int, np.ndarray] = {}
 
     def __len__(self) -> int:
@@ -118,6 +122,8 @@ class PackedSequences:
     def global_index(self, position: int) -> int:
         """The sequence at global position `position` (epochs follow each other, each reshuffled)."""
         epoch, i = divmod(position, len(self))
+        if epoch == 0 and self.ordered:
+            return i
         if epoch not in self._orders:
             self._orders = {epoch: np.random.default_rng([self.seed, epoch]).permutation(len(self))}
         return int(self._orders[epoch][i])
@@ -221,4 +227,8 @@ def build_data(d: DataConfig, tokenizer, rank: int, world: int, seed: int):
         return {"ids": tokenizer(texts)["input_ids"]}
 
     tokenized = docs.map(tokenize, batched=True, with_indices=True, remove_columns=docs.column_names, desc="tokenizing")
-    return PackedSequences(pack(tokenized["ids"], tokenizer.eos_token_id, d.seq_len), seed)
+    ids = tokenized["ids"]
+    keys = document_keys(d.curriculum, docs, ids, d.path)  # data.curriculum: None when off
+    if keys is not None:
+        ids = [ids[i] for i in document_order(keys, seed, d.curriculum.reverse)]
+    return PackedSequences(pack(ids, tokenizer.eos_token_id, d.seq_len), seed, ordered=keys is not None)

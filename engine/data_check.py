@@ -53,12 +53,40 @@ def check_corpus(d: DataConfig, tok, batch: int | None, data_parallel: int) -> l
     s = sample_files(files, {d.text_field: (str,)}, d.path)
     if s.problems:
         return s.problems
+    if d.curriculum.mode == "score":
+        problem = check_score_column(d.curriculum.score_column, builder, files, s, d.path)
+        if problem:
+            return [problem]
     split_rows = d.streaming and len(files) % data_parallel  # split_dataset_by_node: every world-th row per rank
     if split_rows and s.complete and s.rows < data_parallel:
         return [f"data.path {d.path}: {s.rows} rows in {len(files)} file(s); streaming on {data_parallel} "
                 "data-parallel ranks splits rows (rank r reads rows r, r + ranks, ...), so some rank would get none; "
                 "add rows, or files in a multiple of the ranks (each rank then reads its own files)"]
     return check_tokens(d, tok, s, batch) if batch and tok is not None else []
+
+
+def check_score_column(column: str, builder: str, files: list[str], s: "Sample", path: str) -> str | None:
+    """data.curriculum.mode score: the column is in every sampled JSON file's rows, every Parquet file's schema
+    (metadata only); a .txt file has none. Its values are checked where the documents are loaded (engine/data.py)."""
+    from .curriculum import missing_column
+
+    if builder == "text":
+        return missing_column(column, path, ["text"]) + " (.txt files have one column)"
+    if builder == "parquet":
+        import pyarrow.parquet as pq
+
+        for f in files:
+            try:
+                names = pq.ParquetFile(f).schema_arrow.names
+            except Exception:  # noqa: BLE001  (not sampled and not Parquet: refused where it is loaded)
+                continue
+            if column not in names:
+                return missing_column(column, f if len(files) > 1 else path, names)
+        return None
+    for f, keys in s.columns.items():
+        if column not in keys:
+            return missing_column(column, f if len(files) > 1 else path, sorted(keys))
+    return None
 
 
 def check_tokens(d: DataConfig, tok, s: Sample, batch: int) -> list[str]:
@@ -265,6 +293,10 @@ def check_hub(d: DataConfig) -> list[str]:
     if info.features is not None and d.text_field not in info.features:
         p.append(f"data.text_field {d.text_field!r} is not a column of {d.path} (columns: {list(info.features)}); "
                  "set data.text_field")
+    if d.curriculum.mode == "score" and info.features is not None and d.curriculum.score_column not in info.features:
+        from .curriculum import missing_column
+
+        p.append(missing_column(d.curriculum.score_column, d.path, list(info.features)))
     if info.splits and d.split not in info.splits:
         p.append(f"data.split {d.split!r} is not a split of {d.path} (splits: {list(info.splits)}); set data.split")
     return p

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import checkpoint
+from . import checkpoint, curriculum
 from .config import ConfigError, GRPOConfig, Recipe, load_recipe
 from .data import load_tokenizer
 from .ds_config import read_ds_config, resolve_ds_config, zero_stage
@@ -183,7 +183,7 @@ def preflight(args, world: World):
             recipe = replace(recipe, grpo=replace(g, rollout="engine"))
     if recipe.resume:  # as in pretraining: checked, and converted to the universal format on a new shape
         found, universal = checkpoint.check_resume(recipe, ds, world.size, world.rank)
-        problems += found
+        problems += found + curriculum.resume_problems(recipe.run_dir, g.curriculum, len(prompts))
         if universal:
             ds.setdefault("checkpoint", {})["load_universal"] = True
     if problems:
@@ -290,6 +290,7 @@ class Run:
     world: World
     micro: int  # sequences per micro-batch
     n_seq: int  # sequences per rank per step (micro x accumulation)
+    last_reward: object = None  # the last step's rewards, one per completion, prompt-major (grpo.curriculum reads them)
 
     @property
     def device(self):
@@ -390,6 +391,7 @@ def grpo_step(run: Run, rows: list[dict], sampling: SamplingConfig, step: int) -
     t0 = time.time()
     r = generate_rollouts(run, rows, sampling)
     scores, reward, adv = score(run, rows, r, step)
+    run.last_reward = reward
     timer = Timer()
     refl = batched_logps(run.ref, r, run.micro) if run.ref is not None else None
     timer.lap("ref_s")
@@ -458,6 +460,8 @@ def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | No
     # world size; here it becomes prompts consumed over all ranks.
     done = state["position"] * run.micro * world.size // g.group_size
     order = np.random.default_rng(recipe.train.seed).permutation(len(prompts))
+    cur = curriculum.for_run(g.curriculum, len(prompts), n_prompts * world.size, recipe.train.seed,
+                             state.get("curriculum"))  # None unless grpo.curriculum.enabled
     metrics = Metrics(recipe.run_dir, recipe.train.max_steps, step, run.policy.monitor)
     saver = checkpoint.Cadence(recipe.checkpoint, run.device)  # also: SIGTERM/SIGINT -> save at the next step, stop
     sampling = SamplingConfig(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
@@ -472,7 +476,13 @@ def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | No
         done += n_prompts * world.size
         batch_rows = [prompts[order[(start + i) % len(prompts)]] for i in range(n_prompts)]
         step += 1
+        if cur is not None:  # by pass rates so far: one global draw per step, this rank's slice of it
+            mine, cur_row = cur.rank_draw(step, world.rank, n_prompts)
+            batch_rows = [prompts[i] for i in mine]
         row = grpo_step(run, batch_rows, sampling, step)
+        if cur is not None:
+            cur.update_from_ranks(mine, run.last_reward)  # every rank's rewards: the same statistics everywhere
+            row.update(cur_row)
         metrics.advance()
         if evals and (step % g.eval_every == 0 or step == recipe.train.max_steps):
             row.update(evaluate(run, evals))
@@ -481,7 +491,8 @@ def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | No
         save, stop = saver.due(step, recipe.train.max_steps)
         if save:
             checkpoint.save(run.policy, recipe, {"step": step, "tokens": 0,
-                                                 "position": done * g.group_size // (run.micro * world.size)}, tok)
+                                                 "position": done * g.group_size // (run.micro * world.size),
+                                                 **({"curriculum": cur.state_dict()} if cur else {})}, tok)
         if stop:
             print0(f"stopped by signal {saver.signal} after step {step}; saved, continue with --resume")
             break

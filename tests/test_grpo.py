@@ -395,15 +395,20 @@ checkpoint: {every_steps: 2, keep_last: 2, at_end: false}
 """
 
 
-def test_resumed_grpo_equals_an_uninterrupted_run(pretrained):
+@pytest.mark.parametrize("curriculum", [False, True], ids=["plain", "curriculum"])
+def test_resumed_grpo_equals_an_uninterrupted_run(pretrained, curriculum):
     """2 ranks, fp32: 4 steps straight, saving at step 2; then the run is put back to that checkpoint (as after a
     crash) and resumed. The checkpoint carries the policy, optimizer, LR schedule, each rank's RNG (sampling) and
-    the prompt position; the reference engine is rebuilt from --init_from."""
-    d = pretrained / "resume"
+    the prompt position; the reference engine is rebuilt from --init_from. With grpo.curriculum it also carries the
+    per-prompt statistics that steps 3 and 4 draw their prompts from (engine/curriculum.py)."""
+    d = pretrained / f"resume_{'curriculum' if curriculum else 'plain'}"
     d.mkdir()
     rows = [json.loads(line) for line in (ASSETS / "arith_train.jsonl").read_text().splitlines()[:6]]
     (d / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (d / "grpo.yaml").write_text(RESUME_RECIPE.replace("PROMPTS", str(d / "prompts.jsonl")))
+    recipe = RESUME_RECIPE.replace("PROMPTS", str(d / "prompts.jsonl"))
+    if curriculum:  # 6 prompts, 2 a step: step 1 draws 2 unseen, later steps 1 unseen + 1 by pass rate
+        recipe = recipe.replace("beta: 0.04,", "beta: 0.04, curriculum: {enabled: true},")
+    (d / "grpo.yaml").write_text(recipe)
     common = ["--deepspeed_config", grpo_ds(d / "ds.json", True), "--config", d / "grpo.yaml",
               "--init_from", pretrained / "hf"]
     run_launcher(2, GRPO, *common, "--run_dir", d / "straight", cwd=d)
@@ -416,10 +421,19 @@ def test_resumed_grpo_equals_an_uninterrupted_run(pretrained):
     (d / "split" / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n")
     run_launcher(2, GRPO, *common, "--run_dir", d / "split", "--resume", cwd=d)
     keys = ("step", "reward", "reward_std", "loss", "kl", "entropy", "response_len", "lr")
+    if curriculum:
+        keys += ("curriculum_unseen", "curriculum_in_band", "curriculum_tried", "curriculum_band_prompts")
     straight = [{k: r[k] for k in keys} for r in read_metrics(d / "straight")]
     split = [{k: r[k] for k in keys} for r in read_metrics(d / "split")]
     assert [r["step"] for r in straight] == [1, 2, 3, 4]
     assert split == straight  # bitwise: the resumed steps sample and learn exactly as the uninterrupted ones
+    if curriculum:  # and the statistics the next step would draw from
+        state = [json.loads((r / "checkpoints" / "step_00000004" / "engine_state.json").read_text())["curriculum"]
+                 for r in (d / "straight", d / "split")]
+        assert state[0] == state[1] and sum(state[0]["attempts"]) > 0
+        # step 1: 2 unseen; then round(0.25 x 2) = 1 unseen + 1 tried. Resumed without the statistics, step 3 would
+        # find every prompt unseen (1.0) and draw others.
+        assert [r["curriculum_unseen"] for r in straight] == [1.0, 0.5, 0.5, 0.5]
 
 
 def test_pipeline_config_is_refused_before_any_work(tmp_path):
