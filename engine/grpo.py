@@ -419,10 +419,10 @@ def metrics_row(run: Run, r: Rollouts, scores, reward, stats: dict, phases: dict
     """The step's metrics, averaged (or summed) over ranks."""
     train_s = sum(phases.values())
     n_micro = run.g.iterations * (len(r.ids) // run.micro)
-    new_tokens = float(r.tree.generated_tokens if r.tree is not None else r.attn[:, r.p_len:].sum())  # shared prefixes once
+    new_tokens = _sum_all(r.tree.generated_tokens if r.tree is not None else r.attn[:, r.p_len:].sum())  # shared prefixes once
     row = {"step": step, "reward": _mean_all(reward.mean()), "reward_std": _mean_all(reward.std()),
            "lr": run.policy.get_lr()[0], "response_len": _mean_all(r.attn[:, r.p_len:].sum(1).float().mean()),
-           "generated_tokens": _sum_all(new_tokens), "rollout_tokens_per_s": _sum_all(new_tokens) / max(r.seconds, 1e-9),
+           "generated_tokens": new_tokens, "rollout_tokens_per_s": new_tokens / max(r.seconds, 1e-9),
            "train_tokens_per_s": _sum_all(float(r.attn.sum()) * forwards) / max(train_s, 1e-9),
            "rollout_s": r.seconds, "train_s": train_s, **phases, "step_s": step_s, "peak_mem_gib": peak_memory_gib(),
            **{k: _mean_all(v / n_micro) for k, v in stats.items()}}
