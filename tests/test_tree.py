@@ -189,6 +189,27 @@ def test_sampled_leaves_are_what_a_full_forward_of_their_tokens_gives():
             assert info.branch_points[j * cfg.trees + row % G] == (row, int(want[:-1].argmax()))
 
 
+def test_paths_that_end_at_once_leave_branches_to_start_from_the_prompt():
+    """EOS as the first token: a one-token path has no branch point (its last token never is), so every branch of
+    that tree starts from the prompt (offset 0: the fork copies the prompt's slots and re-feeds its last token),
+    and every row of the batch still becomes a leaf."""
+    from engine.config import TreeConfig
+    from engine.decoder import Decoder
+    from engine.tree import generate_tree
+
+    model = tiny()
+    ids, mask = prompts()
+    cfg = TreeConfig(enabled=True, trees=1, branch_points=2, branches=1, iterations=2)
+    G = cfg.leaves()
+    dec = Decoder(model, "cpu", batch_size=2 * G, cache_len=7 + 6 * 3)
+    eos = int(dec.generate(ids[:1], mask[:1], 1, eos_id=-1, pad_id=0, temperature=0)[0, -1])  # prompt 0's first token
+    out, info = generate_tree(dec, ids, mask, cfg, 6, eos_id=eos, pad_id=0, temperature=0)
+    assert info.lengths[:G] == [1] * G and out[:G, 7].tolist() == [eos] * G
+    assert info.starts[:G] == [0] * G and info.parents[:G] == [-1, 0, 0, 0, 0]
+    assert [bp for bp in info.branch_points if bp[0] < G] == [(0, 0)] * 4
+    assert sorted(set(r // G for r, _ in info.branch_points)) == [0, 1]
+
+
 def test_prefix_reuse_decodes_fewer_tokens_than_the_same_leaves_as_independent_chains():
     """Count the decoder's work: the tree's leaves (2 prompts x 9 leaves of 12 tokens) against the same 18 leaves
     generated as independent chains (Decoder.generate, no EOS so every leaf is 12 tokens either way)."""
