@@ -108,6 +108,31 @@ class TrainConfig:
 
 
 @dataclass
+class TreeConfig:
+    """grpo.tree: tree rollouts (TreeRL's EPTree, arXiv 2506.11902; engine/tree.py). Per prompt: `trees` chains are
+    sampled; then, `iterations` times, each tree's `branch_points` highest-entropy tokens (over its paths' generated
+    tokens, never a path's last one nor one already branched) each start `branches` new paths that resample that
+    token and continue to EOS or max_new_tokens, the prefix's KV cache forked, not recomputed. A prompt's leaves,
+    trees x (1 + iterations x branch_points x branches), are its group (grpo.group_size is not used); each token's
+    advantage is (global + local) / sqrt(leaves below it), docs/grpo.md."""
+    enabled: bool = False
+    trees: int = 2
+    """M: chains sampled per prompt, each the root path of a tree."""
+    branch_points: int = 1
+    """N: tokens branched from per tree per iteration."""
+    branches: int = 3
+    """B: new paths from each branch point."""
+    iterations: int = 1
+    """T: rounds of branching (a later round can branch from paths of an earlier one)."""
+    segment_len: int | None = None
+    """L: iteration t (1-based) branches only at response offsets [(t-1) x L, t x L), so the trees deepen round by
+    round; null: anywhere in the paths."""
+
+    def leaves(self) -> int:
+        return self.trees * (1 + self.iterations * self.branch_points * self.branches)
+
+
+@dataclass
 class CheckpointConfig:
     every_steps: int = 0
     """Save every N optimizer steps (0 = only at the end)."""
@@ -162,6 +187,8 @@ class GRPOConfig:
     normalize_std: bool = True
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (DAPO): they carry no signal."""
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    """Tree rollouts instead of independent chains (enabled: true turns them on with these defaults)."""
     rewards: list = field(default_factory=lambda: [{"name": "numeric", "weight": 1.0, "which": "first"}])
     rollout: str = "auto"
     """local (a gathered copy of the policy on each device, when it fits) | engine (through DeepSpeed) | auto."""
@@ -246,6 +273,29 @@ def _type_name(hint: Any) -> str:
     return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 
+def tree_problems(g: "GRPOConfig") -> list[str]:
+    """grpo.tree: counts >= 1 always; whether the tree fits max_new_tokens when enabled."""
+    t, p = g.tree, []
+    for name, why in (("trees", "chains sampled per prompt"), ("branch_points", "tokens branched from per tree and "
+                      "iteration"), ("branches", "new paths from each branch point"), ("iterations", "rounds of "
+                      "branching; without any, set grpo.tree.enabled: false")):
+        if getattr(t, name) < 1:
+            p.append(f"grpo.tree.{name} ({getattr(t, name)}) must be >= 1: {why}")
+    if t.segment_len is not None and t.segment_len < 1:
+        p.append(f"grpo.tree.segment_len ({t.segment_len}) must be >= 1 (or null: branch anywhere)")
+    if not t.enabled or p:
+        return p
+    if g.max_new_tokens < 2:
+        p.append(f"grpo.tree needs grpo.max_new_tokens >= 2, got {g.max_new_tokens}: a path's last token is never a "
+                 "branch point")
+    elif t.segment_len is not None and t.iterations * t.segment_len > g.max_new_tokens - 1:
+        p.append(f"grpo.tree: iterations x segment_len = {t.iterations} x {t.segment_len} = "
+                 f"{t.iterations * t.segment_len} response tokens to branch in, but a path of grpo.max_new_tokens "
+                 f"{g.max_new_tokens} has at most {g.max_new_tokens - 1} (its last token is never a branch point); "
+                 "lower iterations or segment_len, or raise max_new_tokens")
+    return p
+
+
 def load_recipe(path: str | Path | None = None, overrides: dict | None = None) -> Recipe:
     """Read a recipe YAML (default: the embedded tiny recipe), apply overrides, validate everything."""
     path = Path(path) if path else DEFAULT_RECIPE
@@ -316,6 +366,7 @@ def validate(r: Recipe) -> list[str]:
         p.append(f"grpo.group_size ({g.group_size}) must be >= 2: advantages compare completions within a group")
     if g.max_new_tokens < 1 or g.iterations < 1 or g.eval_every < 1:
         p.append("grpo.max_new_tokens, grpo.iterations and grpo.eval_every must be >= 1")
+    p += tree_problems(g)
     if g.decode_experts not in ("auto", "grouped_mm", "dense", "batched_mm", "eager"):
         p.append(f"grpo.decode_experts: {g.decode_experts!r} is not one of auto, grouped_mm, dense, batched_mm, eager")
     if g.rollout not in ("auto", "local", "engine"):

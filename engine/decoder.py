@@ -290,6 +290,12 @@ def absorbed_mla_forward(self, hidden_states, position_embeddings, attention_mas
     return self.o_proj(out.reshape(B, T, H * dv)), None
 
 
+COUNTS = ("forwards", "prefill_tokens", "decoded_tokens", "sampled_tokens", "forks")
+"""Decoder.counts: model calls (prefill + decode steps); real prompt tokens of the rows that use their prefill;
+tokens fed to decode steps for rows still decoding (a forked row's re-fed prefix token included; idle rows of
+the fixed batch not); tokens sampled (the response tokens produced); rows forked."""
+
+
 class Decoder:
     """A persistent generation-only copy of the policy: fixed batch, static KV cache, decode step compiled once."""
 
@@ -318,6 +324,9 @@ class Decoder:
                         if self.compile else self._forward)
         self.decode_steps = 0
         self.decode_s = 0.0
+        self.counts = dict.fromkeys(COUNTS, 0)  # useful work since the last reset_counts(), see COUNTS
+        self.slot = 0  # the next cache slot a decode step writes (every row writes the same one)
+        self.logits = self.next_pos = None  # after prefill(): the prompts' last logits, each row's first response position
         Decoder.builds += 1
         self.refresh(module)
 
@@ -357,14 +366,8 @@ class Decoder:
         if check_every is None:
             check_every = 16 if self.device.type == "cuda" else 1
         N = self.batch_size
-        ids = torch.cat([prompt_ids, prompt_ids[:1].expand(N - n, -1)]) if n < N else prompt_ids  # (N, T_p)
-        pmask = torch.cat([prompt_mask, prompt_mask[:1].expand(N - n, -1)]) if n < N else prompt_mask
-        self.mask.fill_(1)
-        self.mask[:, :width] = pmask
-        self.cache.reset()
-        pos = (pmask.cumsum(-1) - 1).clamp(min=0)  # (N, T_p): positions follow the left padding
-        logits = self._forward(ids, pos, self.mask)  # prefill, eager: prompt widths vary
-        next_pos = pos[:, -1:] + 1  # (N, 1)
+        logits, next_pos = self._prefill(prompt_ids, prompt_mask, response_visible=True)
+        next_pos = next_pos[:, None]  # (N, 1)
         out = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=self.device)
         ended = torch.zeros(N, dtype=torch.bool, device=self.device)
         if self.device.type == "cuda":
@@ -387,7 +390,146 @@ class Decoder:
         out = out[:n]
         is_eos = out == eos_id
         lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, max_new_tokens)  # up to the first EOS
+        sampled = int(lengths.sum())
+        self._count(forwards=1 + steps, prefill_tokens=int(prompt_mask.sum()), sampled_tokens=sampled,
+                    decoded_tokens=sampled - n)  # a row's last token is never fed back
         return torch.cat([prompt_ids, out[:, : int(lengths.max())]], dim=1)
+
+    def _prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_visible: bool):
+        """Reset the cache and prefill all batch_size rows with the left-padded prompts (n rows; the rest copy the
+        first). Response slots start visible to every row (generate) or hidden until a row writes them (the tree
+        path). Returns the (N, V) last logits and each row's (N,) first response position; the next slot is width."""
+        n, width = prompt_ids.shape
+        N = self.batch_size
+        ids = torch.cat([prompt_ids, prompt_ids[:1].expand(N - n, -1)]) if n < N else prompt_ids  # (N, T_p)
+        pmask = torch.cat([prompt_mask, prompt_mask[:1].expand(N - n, -1)]) if n < N else prompt_mask
+        self.mask.fill_(1)
+        self.mask[:, :width] = pmask
+        self.cache.reset()
+        pos = (pmask.cumsum(-1) - 1).clamp(min=0)  # (N, T_p): positions follow the left padding
+        # The response slots are hidden only after the prefill: a mask hiding exactly the future slots reads as plain
+        # causal to transformers, which then passes none, and the absorbed MLA needs one.
+        logits = self._forward(ids, pos, self.mask)  # prefill, eager: prompt widths vary
+        if not response_visible:
+            self.mask[:, width:] = 0
+        self.slot = width
+        return logits, pos[:, -1] + 1
+
+    def _count(self, **n) -> None:
+        for k, v in n.items():
+            self.counts[k] += v
+
+    def reset_counts(self) -> None:
+        self.counts = dict.fromkeys(COUNTS, 0)
+
+    # ------------------------------------------------------------------ tree rollouts (engine/tree.py)
+    # The batch keeps its batch_size rows and every decode step writes one shared cache slot, so the compiled step
+    # sees the shapes it always does. A row's tokens may sit in any slots: the (N, cache_len) mask says which slots
+    # each row sees, positions are per row (rope), and causality holds because a row's slots only grow. Forking
+    # copies a row's K/V and mask into another row; the copy then decodes from the shared next slot on.
+
+    @torch.no_grad()
+    def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows=None) -> None:
+        """Start a tree rollout: prefill every row (n <= batch_size prompts, the rest copies of the first) with no
+        response slot visible; continue_rows(feed=None) then samples from these logits. `rows`: the rows whose
+        prefill is useful work (counted; default all n)."""
+        n, width = prompt_ids.shape
+        if n > self.batch_size or width >= self.cache_len:
+            raise ValueError(f"rollout decoder: {n} prompts of {width} tokens do not fit its batch of "
+                             f"{self.batch_size} and cache of {self.cache_len} slots")
+        self.logits, self.next_pos = self._prefill(prompt_ids, prompt_mask, response_visible=False)
+        live = prompt_mask if rows is None else prompt_mask[torch.as_tensor(rows, device=prompt_mask.device)]
+        self._count(forwards=1, prefill_tokens=int(live.sum()))
+
+    @torch.no_grad()
+    def fork_rows(self, src, dst, upto) -> None:
+        """Row dst[i] becomes row src[i] as of cache slot upto[i]: the K/V of every slot (one indexed copy per
+        layer tensor) and the mask of the slots before upto[i]; later slots are hidden from it. Nothing is
+        recomputed. dst rows must not be among src."""
+        dev = self.device
+        src, dst = torch.as_tensor(src, dtype=torch.long, device=dev), torch.as_tensor(dst, dtype=torch.long, device=dev)
+        upto = torch.as_tensor(upto, dtype=torch.long, device=dev)
+        for layer in self.cache.layers:  # DeepSeek's absorbed MLA: the latent in keys, the rope part in values
+            layer.keys.index_copy_(0, dst, layer.keys.index_select(0, src))
+            layer.values.index_copy_(0, dst, layer.values.index_select(0, src))
+        keep = torch.arange(self.cache_len, device=dev) < upto[:, None]  # (n, cache_len)
+        self.mask.index_copy_(0, dst, self.mask.index_select(0, src) * keep)
+        self._count(forks=len(dst))
+
+    @torch.no_grad()
+    def continue_rows(self, rows, limits, eos_id: int, pad_id: int, temperature: float = 1.0, top_p: float = 1.0,
+                      feed=None, check_every: int | None = None):
+        """Decode `rows` from where they stand, the other rows idle (their slots hidden), until each has sampled
+        limits[i] tokens or EOS. feed=None: the rows sample first from prefill()'s logits; feed=(tokens, positions):
+        each row is first fed that token at that position (the last token of a forked prefix, whose K/V the fork
+        did not copy) and samples from its logits.
+
+        Returns (tokens (n, W), entropies (n, W) of the distributions they were drawn from (temperature 1, before
+        top-p), lengths (n,), first_slot): a row's sampled token k was fed at slot first_slot + k (feed=None) or
+        first_slot + 1 + k (the fed token at first_slot); a row's last token is never fed."""
+        import time
+
+        from .grpo_math import token_entropy
+
+        rows, limits = list(rows), list(limits)
+        N, dev, W = self.batch_size, self.device, max(limits)
+        if feed is None and self.logits is None:
+            raise ValueError("continue_rows(feed=None) samples from prefill()'s logits: call prefill() first")
+        if self.slot + W > self.cache_len:
+            raise ValueError(f"rollout decoder: {W} more decode steps from slot {self.slot} exceed its cache of "
+                             f"{self.cache_len} slots (size it for the tree: engine/tree.py cache_tokens)")
+        if check_every is None:
+            check_every = 16 if dev.type == "cuda" else 1
+        idx = torch.as_tensor(rows, dtype=torch.long, device=dev)
+        limit = torch.zeros(N, dtype=torch.long, device=dev)
+        limit[idx] = torch.as_tensor(limits, dtype=torch.long, device=dev)
+        live = torch.zeros(N, dtype=torch.bool, device=dev).index_fill_(0, idx, True)
+        count = torch.zeros(N, dtype=torch.long, device=dev)
+        out = torch.full((N, W), pad_id, dtype=torch.long, device=dev)
+        ent = torch.zeros((N, W), dtype=torch.float32, device=dev)
+        first_slot, steps = self.slot, 0
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if feed is None:
+            logits, pos = self.logits, self.next_pos - 1
+            self.logits = None  # used once: the rows advance
+        else:
+            tok = torch.full((N,), pad_id, dtype=torch.long, device=dev)
+            tok[idx] = torch.as_tensor(feed[0], dtype=torch.long, device=dev)
+            pos = torch.zeros(N, dtype=torch.long, device=dev)
+            pos[idx] = torch.as_tensor(feed[1], dtype=torch.long, device=dev)
+            logits = self._step(tok, pos, live)
+            steps += 1
+        for t in range(W):
+            tok = torch.where(live, sample(logits, temperature, top_p), pad_id)  # (N,)
+            out[:, t] = tok
+            ent[:, t] = torch.where(live, token_entropy(logits), 0.0)
+            count += live
+            live = live & (tok != eos_id) & (t + 1 < limit)
+            if t + 1 == W or ((t + 1) % check_every == 0 and not bool(live.any())):
+                break
+            pos = pos + 1
+            logits = self._step(tok, pos, live)
+            steps += 1
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        self.decode_steps, self.decode_s = steps, time.perf_counter() - t0
+        lengths = count[idx]
+        sampled = int(lengths.sum())
+        self._count(forwards=steps, sampled_tokens=sampled,
+                    decoded_tokens=sampled - len(rows) + (len(rows) if feed is not None else 0))
+        width = int(lengths.max()) if len(rows) else 0
+        return out[idx, :width], ent[idx, :width], lengths, first_slot
+
+    def _step(self, tok: torch.Tensor, pos: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        """One decode step of all rows at the shared next slot, which only the `live` rows see (now and later)."""
+        self.mask[:, self.slot] = live
+        if self.compile:
+            torch.compiler.cudagraph_mark_step_begin()
+        logits = self.step_fn(tok[:, None], pos[:, None], self.mask)  # (N, V)
+        self.slot += 1
+        return logits
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:

@@ -30,6 +30,7 @@ from .pretrain import peak_memory_gib, report_error
 from .parallel import World, build_engine, device_kind, init_distributed, model_dtype, world_from_env
 from .rewards import build_rewards
 from .rollout import build_rollout, local_copy
+from .tree import advantages as tree_advantages, cache_tokens, group_problems as tree_problems, tree_rollouts
 from deepspeed.runtime.rollout import RolloutRequest, SamplingConfig
 
 DEFAULT_RECIPE = Path(__file__).resolve().parent / "recipes" / "grpo_tiny.yaml"
@@ -151,7 +152,11 @@ def preflight(args, world: World):
     if "pipeline" in ds:
         problems.append(f"DeepSpeed config {args.deepspeed_config}: GRPO runs on ZeRO configs (zero3_grpo.json), not "
                         "pipeline stages; a pipeline run's checkpoint can still be its --init_from")
-    if per_rank % g.group_size:
+    problems += tree_problems(g, per_rank, g.rollout)
+    if g.tree.enabled:  # a prompt's tree leaves are its group; grpo.group_size is not used
+        recipe = replace(recipe, grpo=replace(g, group_size=g.tree.leaves()))
+        g = recipe.grpo
+    elif per_rank % g.group_size:
         problems.append(f"grpo.group_size ({g.group_size}) must divide train_micro_batch_size_per_gpu x "
                         f"gradient_accumulation_steps ({per_rank}): each rank's batch is whole groups")
     try:
@@ -173,11 +178,11 @@ def preflight(args, world: World):
                                 f"exceeds the context ({limit}); shorten it or lower max_new_tokens")
                 break
     if not problems and g.rollout != "engine" and device_kind() == "cuda":
-        cache_len = decoder_cache_len(prompts + evals, g.max_new_tokens)
+        cache_len = decoder_cache_len(prompts + evals, cache_tokens(g))
         problem = decoder_fit_problem(hf_config, model_dtype(ds), per_rank, cache_len,
                                       torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", 0))).total_memory)
-        if problem and g.rollout == "local":
-            problems.append(problem)
+        if problem and (g.rollout == "local" or g.tree.enabled):
+            problems.append(problem if g.rollout == "local" else f"{problem} (grpo.tree needs the local decoder)")
         elif problem:  # auto: generate through the engine instead
             print0(f"note: {problem.split(';')[0]}: grpo.rollout auto picks engine")
             recipe = replace(recipe, grpo=replace(g, rollout="engine"))
@@ -305,17 +310,23 @@ class Rollouts:
     texts: list[str]
     p_len: int
     seconds: float
+    tree: object = None  # grpo.tree: the rollout's tree structure (engine/tree.py TreeInfo)
 
 
 def generate_rollouts(run: Run, rows: list[dict], sampling: SamplingConfig) -> Rollouts:
     t0 = time.time()
     run.rollout.sync_weights(0)  # the persistent decoder takes the policy's weights in place
-    out = run.rollout.generate(left_pad([r["prompt"] for r in rows], run.tok, run.device), sampling)
+    request = left_pad([r["prompt"] for r in rows], run.tok, run.device)
+    if run.g.tree.enabled:
+        out, tree = tree_rollouts(run.rollout, request, sampling, run.g.tree)
+    else:
+        out, tree = run.rollout.generate(request, sampling), None
     run.rollout.shutdown()
     p_len = int(out.response_start_idx[0])
     resp_mask = out.attention_mask[:, 1:].clone()  # targets ids[:, 1:]; response targets start at p_len
     resp_mask[:, : p_len - 1] = 0
-    return Rollouts(out.input_ids, out.attention_mask, resp_mask, completions(out, run.tok), p_len, time.time() - t0)
+    return Rollouts(out.input_ids, out.attention_mask, resp_mask, completions(out, run.tok), p_len, time.time() - t0,
+                    tree)
 
 
 def score(run: Run, rows: list[dict], r: Rollouts, step: int):
@@ -327,7 +338,10 @@ def score(run: Run, rows: list[dict], r: Rollouts, step: int):
         print(f"warning: step {step}, rank {run.world.rank}: reward {label} failed on {scores.failures[label]} of "
               f"{len(r.texts)} samples (scored 0); first error: {msg}", file=sys.stderr, flush=True)
     reward = torch.as_tensor(scores.total, dtype=torch.float32, device=run.device)  # (N,)
-    adv = group_advantages(reward, G, normalize_std=run.g.normalize_std)  # (N,)
+    if r.tree is not None:  # per token, from the tree's node values: (N, T-1)
+        adv = tree_advantages(r.tree, reward, r.p_len, r.resp_mask.shape[1], run.g.normalize_std)
+    else:
+        adv = group_advantages(reward, G, normalize_std=run.g.normalize_std)  # (N,)
     if run.g.dynamic_sampling:
         r.resp_mask = r.resp_mask * keep_mask(reward, G).repeat_interleave(G)[:, None]
     return scores, reward, adv
@@ -407,10 +421,10 @@ def metrics_row(run: Run, r: Rollouts, scores, reward, stats: dict, phases: dict
     """The step's metrics, averaged (or summed) over ranks."""
     train_s = sum(phases.values())
     n_micro = run.g.iterations * (len(r.ids) // run.micro)
-    new_tokens = float(r.attn[:, r.p_len:].sum())
+    new_tokens = _sum_all(r.tree.generated_tokens if r.tree is not None else r.attn[:, r.p_len:].sum())  # shared prefixes once
     row = {"step": step, "reward": _mean_all(reward.mean()), "reward_std": _mean_all(reward.std()),
            "lr": run.policy.get_lr()[0], "response_len": _mean_all(r.attn[:, r.p_len:].sum(1).float().mean()),
-           "rollout_tokens_per_s": _sum_all(new_tokens) / max(r.seconds, 1e-9),
+           "generated_tokens": new_tokens, "rollout_tokens_per_s": new_tokens / max(r.seconds, 1e-9),
            "train_tokens_per_s": _sum_all(float(r.attn.sum()) * forwards) / max(train_s, 1e-9),
            "rollout_s": r.seconds, "train_s": train_s, **phases, "step_s": step_s, "peak_mem_gib": peak_memory_gib(),
            **{k: _mean_all(v / n_micro) for k, v in stats.items()}}
@@ -438,7 +452,7 @@ def setup(recipe: Recipe, ds: dict, tok, rewards, prompts, evals, world: World) 
     ref = build_reference(policy, recipe, ds, tok) if g.beta > 0 else None
     micro = policy.train_micro_batch_size_per_gpu()
     n_seq = micro * policy.gradient_accumulation_steps()
-    cache_len = decoder_cache_len(prompts + evals, g.max_new_tokens)
+    cache_len = decoder_cache_len(prompts + evals, cache_tokens(g))
     rollout = build_rollout(rollout_kind(recipe), policy, tok, n_seq, cache_len, g.decode_experts)
     return Run(policy, ref, rollout, tok, rewards, g, loss_config(g), world, micro, n_seq)
 
