@@ -31,6 +31,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no_compile", action="store_true")
     ap.add_argument("--decode_experts", help="grpo.decode_experts to use instead of the recipe's")
     ap.add_argument("--profile", action="store_true", help="print the device kernels of one call, by time")
+    ap.add_argument("--tree", action="store_true", help="then tree rollouts (grpo.tree defaults, greedy) on a second "
+                    "decoder sized for them: wall time, counts, graphs, and how many leaves equal the greedy chain")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
 
@@ -98,12 +100,64 @@ def main(argv=None) -> int:
             call("profiled")
         key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70))
+    if args.tree:
+        rows.append(tree_check(model, device, args, recipe, req, tok))
     if args.out:
         with open(args.out, "a") as f:
             for r in rows:
                 f.write(json.dumps({"config": args.config, "decode_experts": dec.decode_experts, "batch": args.batch, "new_tokens": args.new_tokens,
                                     "cache_len": cache_len, **r}) + "\n")
     return 0
+
+
+def tree_check(model, device, args, recipe, req, tok) -> dict:
+    """Greedy tree rollouts (grpo.tree's defaults) of batch / leaves prompts: a branch resamples its token from its
+    source's prefix, so greedy leaves should repeat the greedy chain (forks copy the prefix's cache, not recompute
+    it). Two calls (the first compiles); then the same prompts as greedy chains through Decoder.generate."""
+    import torch._dynamo.utils
+
+    from engine.config import TreeConfig
+    from engine.decoder import Decoder
+    from engine.tree import cache_tokens, generate_tree
+
+    cfg = TreeConfig(enabled=True)
+    G = cfg.leaves()
+    P = args.batch // G
+    ids, mask = req.prompt_ids[:P], req.prompt_attention_mask[:P]
+    g = type("G", (), {"tree": cfg, "max_new_tokens": args.new_tokens})()
+    cache_len = -(-(ids.shape[1] + cache_tokens(g)) // 16) * 16
+    dec = Decoder(model, device, args.batch, cache_len, args.decode_experts or recipe.grpo.decode_experts,
+                  compile=False if args.no_compile else None)
+    row = {"call": "tree", "prompts": P, "leaves": G, "cache_len": cache_len}
+    for i in range(2):
+        t = time.perf_counter()
+        out, info = generate_tree(dec, ids, mask, cfg, args.new_tokens, eos_id=-1, pad_id=tok.pad_token_id,
+                                  temperature=0)
+        row[f"wall_s_{i + 1}"] = round(time.perf_counter() - t, 3)
+    row.update({k: v for k, v in info.counts.items() if isinstance(v, (int, float))})
+    row["compiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    chains = dec.generate(ids, mask, args.new_tokens, eos_id=-1, pad_id=tok.pad_token_id, temperature=0)
+    same = [bool(torch.equal(out[j * G + i], chains[j])) for j in range(P) for i in range(G)]
+    row["leaves_equal_to_greedy_chain"] = f"{sum(same)}/{len(same)}"
+    # For branched leaves: does the resampled branch token equal the chain's, and for how many tokens do they agree
+    # from there? A wrong cache copy breaks at once; rounding (bf16, a different row and cache slots) later.
+    w, first, run = ids.shape[1], [], []
+    for j in range(P):
+        for i in range(G):
+            if info.parents[i] < 0:
+                continue
+            a, b = out[j * G + i, w:].tolist(), chains[j, w:].tolist()
+            k = info.starts[i]
+            first.append(a[k] == b[k])
+            n = 0
+            while k + n < len(a) and a[k + n] == b[k + n]:
+                n += 1
+            run.append(n)
+    row["branch_token_equal"] = f"{sum(first)}/{len(first)}"
+    row["agreeing_tokens_after_branch_mean"] = round(sum(run) / max(len(run), 1), 1)
+    row["agreeing_tokens_after_branch_min"] = min(run, default=None)
+    print(" | ".join(f"{k} {v}" for k, v in row.items()), flush=True)
+    return row
 
 
 if __name__ == "__main__":
