@@ -17,5 +17,5 @@ setup(
         "datasets>=5.2,<6",
         "pyyaml>=6",
     ],
-    extras_require={"test": ["pytest>=8"]},
+    extras_require={"test": ["pytest>=8", "pytest-xdist>=3.6"]},  # xdist: the suite on both CI cores
 )

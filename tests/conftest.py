@@ -138,6 +138,29 @@ def root() -> Path:
     return ROOT
 
 
+# ------------------------------------------------------------------------------------- two workers (pytest-xdist)
+
+# `pytest -n 2 --dist loadgroup` (the README's test command): each file is one unit of work on one worker, so its
+# module fixtures run once; test_export.py and test_pipeline.py share the session fixture `deepseek_2ranks`, so they
+# are one unit. Units go to the workers longest first (seconds measured per file on the 2-core machine, see
+# docs/testing.md), so the last unit to start is a short one.
+GROUPS = {"test_export.py": "deepseek_2ranks", "test_pipeline.py": "deepseek_2ranks"}
+LONGEST_FIRST = ["test_grpo.py", "deepseek_2ranks", "test_multinode.py", "test_resume.py", "test_pretrain.py",
+                 "test_bench.py", "test_two_ranks.py", "test_balance.py", "test_readme.py", "test_data_checks.py"]
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
+def pytest_collection_modifyitems(config, items):
+    def group(item) -> str:
+        name = Path(str(item.fspath)).name
+        return GROUPS.get(name, name)
+
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group(item)))
+    rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(group(item), len(rank)))  # stable: a file's own order is kept
+
+
 # ------------------------------------------------------------------------------------- shared pretraining runs
 
 PRETRAIN_LOGITS = ROOT / "tests" / "scripts" / "pretrain_logits.py"
