@@ -142,10 +142,11 @@ def root() -> Path:
 
 # `pytest -n 2 --dist loadgroup` (the README's test command): each file is one unit of work on one worker, so its
 # module fixtures run once; test_export.py and test_pipeline.py share the session fixture `deepseek_2ranks`, so they
-# are one unit. Units go to the workers longest first (seconds measured per file on the 2-core machine, see
+# are one unit, as are test_grpo.py and test_tree.py (`pretrained`). Units go to the workers longest first (seconds measured per file on the 2-core machine, see
 # docs/testing.md), so the last unit to start is a short one.
-GROUPS = {"test_export.py": "deepseek_2ranks", "test_pipeline.py": "deepseek_2ranks"}
-LONGEST_FIRST = ["test_grpo.py", "deepseek_2ranks", "test_multinode.py", "test_resume.py", "test_pretrain.py",
+GROUPS = {"test_export.py": "deepseek_2ranks", "test_pipeline.py": "deepseek_2ranks",
+          "test_grpo.py": "grpo_pretrained", "test_tree.py": "grpo_pretrained"}
+LONGEST_FIRST = ["grpo_pretrained", "deepseek_2ranks", "test_multinode.py", "test_resume.py", "test_pretrain.py",
                  "test_bench.py", "test_two_ranks.py", "test_balance.py", "test_readme.py", "test_data_checks.py"]
 
 
@@ -238,3 +239,12 @@ def deepseek_2ranks(tmp_path_factory) -> dict:
     job, run = pretrain_job(tmp, SMALL_DEEPSEEK, 2, fp32_zero3(tmp / "ds.json"))
     launch(*job, cwd=tmp)
     return finished(run)
+
+
+@pytest.fixture(scope="session")
+def pretrained(tmp_path_factory):
+    """The GRPO tests' pretrained tiny model (tests/test_grpo.py build_pretrained: a run dir and its Hugging Face
+    export), built once for test_grpo.py and test_tree.py. Tests write their runs into their own subdirectories."""
+    from test_grpo import build_pretrained
+
+    return build_pretrained(tmp_path_factory)

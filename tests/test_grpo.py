@@ -70,9 +70,9 @@ def run_launcher(n_ranks: int, script, *args, cwd, timeout: int = HANG, pythonpa
     return done
 
 
-@pytest.fixture(scope="module")
-def pretrained(tmp_path_factory):
-    """A pretraining run dir and its Hugging Face export (context 96 tokens)."""
+def build_pretrained(tmp_path_factory):
+    """A pretraining run dir and its Hugging Face export (context 96 tokens): conftest's session fixture
+    `pretrained`, shared by this file and tests/test_tree.py (one pretraining run for both)."""
     tmp = tmp_path_factory.mktemp("grpo_pretrain")
     docs = [{"text": f"{r['prompt']} {r['answer']}"} for r in map(json.loads, (ASSETS / "arith_train.jsonl").open())]
     for line in (ASSETS / "corpus.jsonl").read_text().splitlines()[:2000]:

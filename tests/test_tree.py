@@ -306,7 +306,7 @@ def test_tree_rollouts_refuse_the_engine_rollout(tmp_path, capfd, monkeypatch):
 
 # --------------------------------------------------------------------------------------- a GRPO run with trees
 
-from test_grpo import GRPO, grpo_ds, pretrained, run_launcher  # noqa: E402,F401  (the module's pretraining fixture)
+from test_grpo import GRPO, grpo_ds, run_launcher  # noqa: E402  (conftest's `pretrained`: test_grpo's run)
 
 
 def test_grpo_with_tree_rollouts_trains_and_reports_generated_tokens(pretrained):
