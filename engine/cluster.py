@@ -373,7 +373,6 @@ def worker_main(args: argparse.Namespace) -> int:
               f"{args.timeout} s", flush=True)
         os._exit(3)
 
-    threading.Thread(target=watchdog, daemon=True).start()
     from datetime import timedelta
 
     import deepspeed
@@ -382,6 +381,10 @@ def worker_main(args: argparse.Namespace) -> int:
     from deepspeed.accelerator import get_accelerator
 
     from .parallel import release_shm_names
+
+    # Started after the imports: they cannot hang on a peer, and on a loaded machine they alone took most of the
+    # 120 s (a 2-core CI machine running two test workers). The timeout covers the rendezvous and the all-reduces.
+    threading.Thread(target=watchdog, daemon=True).start()
 
     acc = get_accelerator()
     local = int(os.environ.get("LOCAL_RANK", "0"))

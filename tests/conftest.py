@@ -158,6 +158,8 @@ def pytest_collection_modifyitems(config, items):
 
     for item in items:
         item.add_marker(pytest.mark.xdist_group(group(item)))
+    if not hasattr(config, "workerinput"):  # one process (no -n): the files in their usual order
+        return
     rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(group(item), len(rank)))  # stable: a file's own order is kept
 
