@@ -116,7 +116,7 @@ def tree_check(model, device, args, recipe, req, tok) -> dict:
     it). Two calls (the first compiles); then the same prompts as greedy chains through Decoder.generate."""
     import torch._dynamo.utils
 
-    from engine.config import TreeConfig
+    from engine.config import GRPOConfig, TreeConfig
     from engine.decoder import Decoder
     from engine.tree import cache_tokens, generate_tree
 
@@ -124,8 +124,7 @@ def tree_check(model, device, args, recipe, req, tok) -> dict:
     G = cfg.leaves()
     P = args.batch // G
     ids, mask = req.prompt_ids[:P], req.prompt_attention_mask[:P]
-    g = type("G", (), {"tree": cfg, "max_new_tokens": args.new_tokens})()
-    cache_len = -(-(ids.shape[1] + cache_tokens(g)) // 16) * 16
+    cache_len = -(-(ids.shape[1] + cache_tokens(GRPOConfig(max_new_tokens=args.new_tokens, tree=cfg))) // 16) * 16
     dec = Decoder(model, device, args.batch, cache_len, args.decode_experts or recipe.grpo.decode_experts,
                   compile=False if args.no_compile else None)
     row = {"call": "tree", "prompts": P, "leaves": G, "cache_len": cache_len}
