@@ -14,8 +14,11 @@ no rank runs dry first. The position is the number of sequences consumed (skippe
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
+import os
+import tempfile
 from collections import deque
 from pathlib import Path
 from typing import Iterator
@@ -26,6 +29,7 @@ import torch
 from .config import ConfigError, DataConfig
 from .curriculum import document_keys, document_order
 
+PACK_VERSION = 1  # bump when packing changes, so old cache files are not read
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 
 
@@ -216,8 +220,44 @@ class ReadAhead:
         return self.ready.popleft() if self.ready else next(self.batches)
 
 
+def cache_dir() -> Path | None:
+    """Where packed corpora are kept ($MOE_ENGINE_CACHE, default ~/.cache/moe_engine/packed; "off" disables)."""
+    v = os.environ.get("MOE_ENGINE_CACHE", "")
+    if v.lower() in ("off", "0", "false", "none"):
+        return None
+    return Path(v).expanduser() if v else Path.home() / ".cache" / "moe_engine" / "packed"
+
+
+def packed_cache_key(d: DataConfig, tokenizer, seed: int) -> str | None:
+    """A key naming exactly what `build_data` packs: the local files (path, size, mtime), the tokenizer's content,
+    the text field, seq_len and the curriculum (with the seed, which orders its ties). None: not cacheable (hub data)."""
+    if not looks_local(d.path) or not Path(d.path).expanduser().exists():
+        return None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    h = hashlib.sha256()
+    for f in data_files(d.path)[1]:
+        st = Path(f).stat()
+        h.update(f"{Path(f).resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    h.update(backend.to_str().encode())
+    h.update(repr((tokenizer.eos_token_id, d.text_field, d.seq_len, d.curriculum, seed, PACK_VERSION)).encode())
+    return h.hexdigest()[:32]
+
+
 def build_data(d: DataConfig, tokenizer, rank: int, world: int, seed: int):
-    """The training sequences for this rank: PackedSequences or StreamedSequences."""
+    """The training sequences for this rank: PackedSequences or StreamedSequences.
+
+    Map-style data is packed once per corpus, tokenizer and seq_len and kept in `cache_dir()` (a launch's ranks and
+    later runs load it instead of reading and tokenizing every document again); a changed file changes the key."""
+    key = None if d.streaming else packed_cache_key(d, tokenizer, seed)
+    root = cache_dir()
+    if key and root and (root / f"{key}.npz").is_file():
+        try:
+            with np.load(root / f"{key}.npz") as z:
+                return PackedSequences(z["sequences"], seed, ordered=bool(z["ordered"]))
+        except (OSError, ValueError, KeyError):
+            pass  # a damaged cache file is rebuilt below
     docs = load_documents(d)
     if d.streaming:
         return StreamedSequences(docs, tokenizer, d, rank, world, seed)
@@ -231,4 +271,13 @@ def build_data(d: DataConfig, tokenizer, rank: int, world: int, seed: int):
     keys = document_keys(d.curriculum, docs, ids, d.path)  # data.curriculum: None when off
     if keys is not None:
         ids = [ids[i] for i in document_order(keys, seed, d.curriculum.reverse)]
-    return PackedSequences(pack(ids, tokenizer.eos_token_id, d.seq_len), seed, ordered=keys is not None)
+    sequences = pack(ids, tokenizer.eos_token_id, d.seq_len)
+    if key and root and len(sequences):
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=root, suffix=".tmp", delete=False) as f:
+                np.savez(f, sequences=sequences, ordered=np.array(keys is not None))
+            os.replace(f.name, root / f"{key}.npz")  # atomic: a rank reading it sees all of it or none
+        except OSError:
+            pass  # a read-only or full cache only costs the next run its tokenizing
+    return PackedSequences(sequences, seed, ordered=keys is not None)

@@ -19,6 +19,18 @@ ZERO3 = ROOT / "ds_configs" / "zero3.json"
 DEEPSPEED = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")  # the real launcher
 
 
+def pytest_configure(config):
+    """One packed-corpus cache (engine/data.py: cache_dir) for the whole run, shared by both test workers and every
+    launch, fresh each run and removed at the end: the default corpus is tokenized once, not once per rank."""
+    if "PYTEST_XDIST_WORKER" not in os.environ and "MOE_ENGINE_CACHE" not in os.environ:
+        os.environ["MOE_ENGINE_CACHE"] = config._moe_cache = tempfile.mkdtemp(prefix="moe-engine-cache-")
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "_moe_cache", None):
+        shutil.rmtree(config._moe_cache, ignore_errors=True)
+
+
 def pytest_sessionstart(session):
     """Build DeepSpeed's CPU ops (shared-memory all-reduce, Adam) once, in this process, before any launch.
 
@@ -29,7 +41,7 @@ def pytest_sessionstart(session):
 
     if get_accelerator().device_name() != "cpu":
         return
-    for name in ("ShareMemCommBuilder", "FusedAdamBuilder", "CPUAdamBuilder"):
+    for name in ("ShareMemCommBuilder", "CPUAdamBuilder"):
         builder = get_accelerator().create_op_builder(name)
         if builder is not None and builder.is_compatible():
             builder.load(verbose=False)

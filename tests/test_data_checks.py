@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import DEEPSPEED, ROOT, ZERO3, env, free_port, read_metrics, write_ds
@@ -161,6 +162,42 @@ def test_map_style_rows_past_the_checked_head_are_named_when_tokenized(tmp_path)
     d = DataConfig(path=jsonl(tmp_path / "c.jsonl", rows), seq_len=32)
     with pytest.raises(ConfigError, match=r"data.path .*c.jsonl: row 33 has text = None, not a string; fix that row"):
         build_data(d, load_tokenizer(d.tokenizer), 0, 1, 0)
+
+
+def test_packed_corpus_is_cached_and_a_changed_file_is_packed_again(tmp_path, monkeypatch):
+    """build_data keeps the packed windows (engine/data.py: cache_dir) and a second build reads them: the same
+    sequences and order as packing afresh (cache off), the curriculum's order included; a file that changed is a new
+    key, not the old windows."""
+    from engine.config import DataConfig, DataCurriculumConfig
+    from engine.data import build_data, load_tokenizer
+
+    f = jsonl(tmp_path / "c.jsonl", [{"text": f"{STORY} {' '.join(['x'] * (i % 7))} {i}"} for i in range(40)])
+    tok = load_tokenizer(DataConfig().tokenizer)
+    cache = tmp_path / "cache"
+    for curriculum in (DataCurriculumConfig(), DataCurriculumConfig(mode="length")):
+        d = DataConfig(path=f, seq_len=16, curriculum=curriculum)
+        monkeypatch.setenv("MOE_ENGINE_CACHE", "off")
+        fresh = build_data(d, tok, 0, 1, 3)
+        monkeypatch.setenv("MOE_ENGINE_CACHE", str(cache))
+        before = set(cache.glob("*.npz"))
+        first = build_data(d, tok, 0, 1, 3)
+        written = set(cache.glob("*.npz")) - before
+        assert len(written) == 1
+        monkeypatch.setattr("engine.data.load_documents", lambda *a, **k: pytest.fail("read the documents again"))
+        second = build_data(d, tok, 0, 1, 3)
+        monkeypatch.undo()
+        for data in (first, second):
+            assert np.array_equal(data.sequences, fresh.sequences) and data.ordered == fresh.ordered
+            assert [data.global_index(p) for p in range(60)] == [fresh.global_index(p) for p in range(60)]
+    assert len(list(cache.glob("*.npz"))) == 2  # the curriculum's order is its own entry
+    monkeypatch.setenv("MOE_ENGINE_CACHE", str(cache))
+    with open(f, "a") as fh:
+        fh.write(json.dumps({"text": "a new document at the end of the file"}) + "\n")
+    d = DataConfig(path=f, seq_len=16)
+    changed = build_data(d, tok, 0, 1, 3)
+    monkeypatch.setenv("MOE_ENGINE_CACHE", "off")
+    assert np.array_equal(changed.sequences, build_data(d, tok, 0, 1, 3).sequences)
+    assert len(list(cache.glob("*.npz"))) == 3
 
 
 # GRPO prompt files: data.path and grpo.eval_path.
