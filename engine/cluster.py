@@ -380,7 +380,7 @@ def worker_main(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
-    from .parallel import release_shm_names
+    from .parallel import release_shm_names, skip_cpu_shm_op
 
     # Started after the imports: they cannot hang on a peer, and on a loaded machine they alone took most of the
     # 120 s (a 2-core CI machine running two test workers). The timeout covers the rendezvous and the all-reduces.
@@ -390,6 +390,7 @@ def worker_main(args: argparse.Namespace) -> int:
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if acc.device_name() == "cuda":
         torch.cuda.set_device(local)
+    skip_cpu_shm_op()
     deepspeed.init_distributed(timeout=timedelta(seconds=args.timeout))
     release_shm_names()
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -35,6 +35,7 @@ def init_distributed() -> None:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1",
                           MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
                           MASTER_PORT=os.environ.get("MASTER_PORT", str(29500 + os.getpid() % 1000)))
+    skip_cpu_shm_op()
     deepspeed.init_distributed()
     release_shm_names()
     # DeepSpeed's own process groups wait up to torch's default timeout (10-30 min) on a dead peer; the watchdog
@@ -44,6 +45,27 @@ def init_distributed() -> None:
 
     if get_accelerator().device_name() == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def skip_cpu_shm_op() -> None:
+    """On CPU ranks, keep DeepSpeed from building and loading its shared-memory all-reduce op.
+
+    DeepSpeed's TorchBackend loads it whenever a process group starts on the CPU accelerator (a C++ JIT build:
+    52 s on a new 2-core machine), but only `inference_all_reduce` (tensor-parallel inference layers, which this
+    engine does not use) calls it, and that falls back to torch's all_reduce without it; training's collectives go
+    through gloo either way. DeepSpeed 0.19.8 reads `deepspeed.ops.__compatible_ops__` (a lazily probed dict) for
+    this op only, in `deepspeed.comm.torch.build_shm_op`.
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        return
+    import deepspeed.ops
+
+    ops = vars(deepspeed.ops).get("__compatible_ops__")
+    if ops is None:  # not probed yet: no need to probe (it runs compiler subprocesses) for this one answer
+        deepspeed.ops.__compatible_ops__ = ops = {}
+    ops["deepspeed_shm_comm"] = False
 
 
 def device_kind() -> str:

@@ -32,16 +32,19 @@ def pytest_unconfigure(config):
 
 
 def pytest_sessionstart(session):
-    """Build DeepSpeed's CPU ops (shared-memory all-reduce, Adam) once, in this process, before any launch.
+    """Build DeepSpeed's CPU Adam op (zero3_offload.json's DeepSpeedCPUAdam) once, in this process, before any launch.
 
-    They are JIT-compiled into ~/.cache/torch_extensions on first use. Built here, no two ranks race for the
-    build lock, and a launch's timeout never includes a compile (27 min once, on a loaded 2-core machine).
+    It is JIT-compiled into ~/.cache/torch_extensions on first use. Built here, no two ranks race for the build
+    lock, and a launch's timeout never includes a compile (27 min once, on a loaded 2-core machine). The other
+    two CPU ops DeepSpeed would build are not used: the engine takes torch's AdamW on CPU ranks
+    (engine/ds_config.py: resolve_optimizer) and skips the shared-memory all-reduce (engine/parallel.py:
+    skip_cpu_shm_op).
     """
     from deepspeed.accelerator import get_accelerator
 
     if get_accelerator().device_name() != "cpu":
         return
-    for name in ("ShareMemCommBuilder", "CPUAdamBuilder"):
+    for name in ("CPUAdamBuilder",):
         builder = get_accelerator().create_op_builder(name)
         if builder is not None and builder.is_compatible():
             builder.load(verbose=False)
