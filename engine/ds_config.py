@@ -66,7 +66,7 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, ranks_per_node
     if "pipeline" in cfg:
         stages, found = check_pipeline(cfg, recipe, stage)
         p += found
-    p += resolve_optimizer(cfg, recipe, device)
+    p += resolve_optimizer(cfg, recipe)
     p += resolve_expert_parallel(cfg, recipe, world_size, stages, ranks_per_node, device)
     p += resolve_compile(cfg, recipe)
     p += resolve_batch_size(cfg, world_size, stages, recipe, device, auto_batch)
@@ -76,18 +76,9 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, ranks_per_node
     return cfg
 
 
-def resolve_optimizer(cfg: dict, recipe: Recipe, device: str = "cpu") -> list[str]:
-    """The recipe drives the LR schedule; the file's optimizer keeps its lr, "auto" taking the recipe's train.lr.
-
-    On CPU ranks without ZeRO-Offload, Adam/AdamW is torch's (`"torch_adam": true`) unless the file says otherwise:
-    DeepSpeed's FusedAdam is a C++ op there, JIT-compiled on a new machine (78 s on 2 cores) and loaded by every rank.
-    """
+def resolve_optimizer(cfg: dict, recipe: Recipe) -> list[str]:
+    """The recipe drives the LR schedule; the file's optimizer keeps its lr, "auto" taking the recipe's train.lr."""
     p = []
-    opt = cfg.get("optimizer") or {}
-    offload = (cfg.get("zero_optimization") or {}).get("offload_optimizer") or {}
-    if (device == "cpu" and str(opt.get("type", "")).lower() in ("adam", "adamw")
-            and offload.get("device", "none") == "none" and "torch_adam" not in (opt.get("params") or {})):
-        opt.setdefault("params", {})["torch_adam"] = True
     if "scheduler" in cfg:
         p.append("scheduler: remove it; the recipe's train.warmup_steps/min_lr_ratio/max_steps drive the LR "
                  "schedule (the optimizer's lr stays in this file)")
