@@ -33,6 +33,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="print the device kernels of one call, by time")
     ap.add_argument("--tree", action="store_true", help="then tree rollouts (grpo.tree defaults, greedy) on a second "
                     "decoder sized for them: wall time, counts, graphs, and how many leaves equal the greedy chain")
+    ap.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                    help="weights, activations and cache: auto is bf16 on CUDA, fp32 elsewhere; fp32 on CUDA tells "
+                    "rounding on near-tie logits from a fork that copies the wrong cache (--tree)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
 
@@ -47,7 +50,8 @@ def main(argv=None) -> int:
 
     recipe = load_recipe(args.config, {})
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(args.dtype,
+                                                                 torch.bfloat16 if device.type == "cuda" else torch.float32)
     tok = load_tokenizer(recipe.data.tokenizer)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(make_hf_config(recipe.model, tok), dtype=dtype)
@@ -106,7 +110,7 @@ def main(argv=None) -> int:
         with open(args.out, "a") as f:
             for r in rows:
                 f.write(json.dumps({"config": args.config, "decode_experts": dec.decode_experts, "batch": args.batch, "new_tokens": args.new_tokens,
-                                    "cache_len": cache_len, **r}) + "\n")
+                                    "dtype": str(dtype).replace("torch.", ""), "cache_len": cache_len, **r}) + "\n")
     return 0
 
 
@@ -140,13 +144,16 @@ def tree_check(model, device, args, recipe, req, tok) -> dict:
     row["leaves_equal_to_greedy_chain"] = f"{sum(same)}/{len(same)}"
     # For branched leaves: does the resampled branch token equal the chain's, and for how many tokens do they agree
     # from there? A wrong cache copy breaks at once; rounding (bf16, a different row and cache slots) later.
-    w, first, run = ids.shape[1], [], []
+    # (TreeInfo's parents and starts are per row: row j * G + i is prompt j's leaf i.)
+    w, first, run, starts = ids.shape[1], [], [], []
     for j in range(P):
         for i in range(G):
-            if info.parents[i] < 0:
+            r = j * G + i
+            if info.parents[r] < 0:
                 continue
-            a, b = out[j * G + i, w:].tolist(), chains[j, w:].tolist()
-            k = info.starts[i]
+            a, b = out[r, w:].tolist(), chains[j, w:].tolist()
+            k = info.starts[r]
+            starts.append(k)
             first.append(a[k] == b[k])
             n = 0
             while k + n < len(a) and a[k + n] == b[k + n]:
@@ -155,6 +162,8 @@ def tree_check(model, device, args, recipe, req, tok) -> dict:
     row["branch_token_equal"] = f"{sum(first)}/{len(first)}"
     row["agreeing_tokens_after_branch_mean"] = round(sum(run) / max(len(run), 1), 1)
     row["agreeing_tokens_after_branch_min"] = min(run, default=None)
+    row["agreeing_tokens_after_branch"] = run  # per branched leaf; a branch can agree for new_tokens - start at most
+    row["branch_starts"] = starts
     print(" | ".join(f"{k} {v}" for k, v in row.items()), flush=True)
     return row
 

@@ -201,6 +201,10 @@ class GRPOConfig:
     eval_path: str | None = None
     """Held-out prompts (jsonl with prompt/answer), scored greedily at eval_every steps."""
     eval_every: int = 10
+    max_generated_tokens: int | None = None
+    """Stop after the step at which the run's generated tokens (the metrics' `generated_tokens`, summed over steps
+    and ranks) reach this, even before train.max_steps; that step is evaluated and saved (checkpoint.at_end) as a
+    last step is. For comparing rollout kinds at an equal generation budget; null: train.max_steps alone."""
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     """Draw prompts by their pass rates so far (enabled: true turns it on with these defaults)."""
 
@@ -366,6 +370,9 @@ def validate(r: Recipe) -> list[str]:
         p.append(f"grpo.group_size ({g.group_size}) must be >= 2: advantages compare completions within a group")
     if g.max_new_tokens < 1 or g.iterations < 1 or g.eval_every < 1:
         p.append("grpo.max_new_tokens, grpo.iterations and grpo.eval_every must be >= 1")
+    if g.max_generated_tokens is not None and g.max_generated_tokens < 1:
+        p.append(f"grpo.max_generated_tokens ({g.max_generated_tokens}) must be >= 1 (or null: stop at "
+                 "train.max_steps only)")
     p += tree_problems(g)
     if g.decode_experts not in ("auto", "grouped_mm", "dense", "batched_mm", "eager"):
         p.append(f"grpo.decode_experts: {g.decode_experts!r} is not one of auto, grouped_mm, dense, batched_mm, eager")

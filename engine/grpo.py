@@ -470,6 +470,7 @@ def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | No
     run = setup(recipe, ds, tok, rewards, prompts, evals, world)
     state = checkpoint.load(run.policy, recipe.run_dir) if recipe.resume else {"step": 0, "position": 0, "tokens": 0}
     step, n_prompts = state["step"], run.n_seq // g.group_size
+    generated = state["tokens"]  # GRPO's checkpoints count generated tokens (over ranks) in "tokens"
     # The data position counts micro-batches per rank, as in pretraining, so checkpoint.load converts it to this
     # world size; here it becomes prompts consumed over all ranks.
     done = state["position"] * run.micro * world.size // g.group_size
@@ -484,7 +485,7 @@ def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | No
     if evals:
         rows.append({"step": step, **evaluate(run, evals)})
         metrics.log(rows[-1])
-    while step < recipe.train.max_steps:
+    while step < recipe.train.max_steps and not budget_spent(generated, g):
         # This rank's prompts: global positions done + rank*P + [0, P); one global order on any world size.
         start = done + world.rank * n_prompts
         done += n_prompts * world.size
@@ -498,21 +499,32 @@ def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | No
             cur.update_from_ranks(mine, run.last_reward)  # every rank's rewards: the same statistics everywhere
             row.update(cur_row)
         metrics.advance()
-        if evals and (step % g.eval_every == 0 or step == recipe.train.max_steps):
+        generated += row["generated_tokens"]  # the same sum on every rank
+        row["generated_tokens_total"] = generated
+        last = step == recipe.train.max_steps or budget_spent(generated, g)
+        if evals and (step % g.eval_every == 0 or last):
             row.update(evaluate(run, evals))
         metrics.log(row)
         rows.append(row)
-        save, stop = saver.due(step, recipe.train.max_steps)
+        save, stop = saver.due(step, step if last else recipe.train.max_steps)  # at_end: the budget's last step too
         if save:
-            checkpoint.save(run.policy, recipe, {"step": step, "tokens": 0,
+            checkpoint.save(run.policy, recipe, {"step": step, "tokens": int(generated),
                                                  "position": done * g.group_size // (run.micro * world.size),
                                                  **({"curriculum": cur.state_dict()} if cur else {})}, tok)
         if stop:
             print0(f"stopped by signal {saver.signal} after step {step}; saved, continue with --resume")
             break
+    if budget_spent(generated, g):
+        print0(f"grpo.max_generated_tokens {g.max_generated_tokens} reached after step {step}: {generated:.0f} "
+               "tokens generated")
     saver.close()
     metrics.close()
     return rows
+
+
+def budget_spent(generated: float, g: GRPOConfig) -> bool:
+    """Whether grpo.max_generated_tokens (when set) has been reached by the run's generated tokens."""
+    return g.max_generated_tokens is not None and generated >= g.max_generated_tokens
 
 
 def _mean_all(x) -> float:
@@ -555,6 +567,6 @@ def main(argv=None) -> int:
             export(args.init_from, init, dtype="fp32", force=True)
         dist.barrier()
     rows = train(recipe, ds, tok, prompts, evals, rewards, init, world)
-    last = rows[-1]
-    print0(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in last.items()}))
+    if rows:  # none when a resumed run had already reached max_steps or its token budget (and has no eval set)
+        print0(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}))
     return 0

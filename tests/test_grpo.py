@@ -318,16 +318,28 @@ def test_context_check_uses_the_model_being_trained(pretrained, tmp_path):
 
 def test_eval_set_smaller_than_the_world_does_not_hang(pretrained, tmp_path):
     """grpo.eval_path with 1 prompt on 2 ranks, engine rollouts: a rank with no eval prompt must still take part
-    in generation, whose decode steps are ZeRO-3 collectives."""
+    in generation, whose decode steps are ZeRO-3 collectives. The same run stops at grpo.max_generated_tokens:
+    a budget of 1 token ends it after step 1 of 3, and that step is evaluated as a last step is (eval_every 5)."""
     (tmp_path / "eval1.jsonl").write_text(json.dumps(PROMPTS[0]) + "\n")
     recipe = (GRPO_RECIPE.replace("eval_path: PROMPTS", f"eval_path: {tmp_path / 'eval1.jsonl'}")
               .replace("PROMPTS", str(pretrained / "prompts.jsonl")).replace("KIND", "engine")
-              .replace("max_steps: 2", "max_steps: 1"))
+              .replace("max_steps: 2", "max_steps: 3").replace("eval_every: 1", "eval_every: 5, max_generated_tokens: 1"))
     (tmp_path / "grpo.yaml").write_text(recipe)
-    run_launcher(2, GRPO, "--deepspeed_config", grpo_ds(tmp_path / "ds.json", False), "--config",
-                 tmp_path / "grpo.yaml", "--init_from", pretrained / "hf", "--run_dir", tmp_path / "run",
-                 cwd=tmp_path, timeout=150)
-    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [0, 1]
+    p = run_launcher(2, GRPO, "--deepspeed_config", grpo_ds(tmp_path / "ds.json", False), "--config",
+                     tmp_path / "grpo.yaml", "--init_from", pretrained / "hf", "--run_dir", tmp_path / "run",
+                     cwd=tmp_path, timeout=150)
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [0, 1]
+    assert "eval_reward" in rows[0] and "eval_reward" in rows[1], rows
+    assert rows[1]["generated_tokens_total"] == rows[1]["generated_tokens"] >= 1, rows
+    assert "grpo.max_generated_tokens 1 reached after step 1" in p.stdout, p.stdout[-2000:]
+
+
+def test_token_budget_below_one_is_refused():
+    from engine.config import ConfigError, load_recipe
+
+    with pytest.raises(ConfigError, match=r"grpo.max_generated_tokens \(0\) must be >= 1"):
+        load_recipe(ROOT / "engine" / "recipes" / "grpo_tiny.yaml", {"grpo.max_generated_tokens": 0})
 
 
 # ------------------------------------------------------------------------------------- failing rewards
