@@ -67,3 +67,68 @@ def build_model(m: ModelConfig, ds_config: dict, tokenizer=None, dtype: torch.dt
     model._hf_ds_config = keep_alive
     model.config.use_cache = False
     return model
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm arithmetic (DeepSeek-V3, Qwen3-MoE, Mixtral): fp32 statistics, weight applied in x's dtype."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(gate) * up
+
+
+def compile_parameter_free(model: torch.nn.Module) -> list[str]:
+    """torch.compile the parameter-free arithmetic of the model's layers, leaving every module call eager.
+
+    Compiling a module under ZeRO-3 traces DeepSpeed's gather/release hooks, and DeepSpeed will not compile around
+    AutoEP there; plain functions have no hooks. Compiled here (each the same arithmetic as transformers' code): each
+    RMSNorm's math, with its weight passed in after ZeRO-3's hook has gathered it; silu(gate) * up of the dense MLP
+    and the shared experts; the rotary embedding. Eager ops read and write the whole activation once per op (RMSNorm
+    alone is seven passes, in fp32); each compiled function is one fused kernel forward and one backward. Only calls
+    made with autograd on use the compiled code: evaluation and decoding (no_grad, or inside another torch.compile)
+    run transformers' eager code. Returns what was patched.
+    """
+    import sys
+    import types
+
+    # dynamic=None: static kernels for pretraining's fixed shapes; a run whose lengths vary (GRPO) recompiles once with
+    # dynamic sizes instead of once per length
+    norm = torch.compile(_rms_norm)
+    swiglu = torch.compile(_silu_mul)
+
+    def training(compiled, eager):
+        def call(*args, **kwargs):
+            use = compiled if torch.is_grad_enabled() and not torch.compiler.is_compiling() else eager
+            return use(*args, **kwargs)
+        call.compiled_parameter_free = True
+        return call
+
+    norm, swiglu = training(norm, _rms_norm), training(swiglu, _silu_mul)
+
+    def norm_forward(self, hidden_states):
+        return norm(hidden_states, self.weight, self.variance_epsilon)
+
+    def mlp_forward(self, x):
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+    done = set()
+    for module in model.modules():
+        kind = type(module).__name__
+        if kind.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+            module.forward = types.MethodType(norm_forward, module)
+            done.add(f"{kind} (norm)")
+        elif (kind.endswith("MLP") and all(hasattr(module, a) for a in ("gate_proj", "up_proj", "down_proj"))
+              and type(getattr(module, "act_fn", None)).__name__ in ("SiLUActivation", "SiLU")):
+            module.forward = types.MethodType(mlp_forward, module)
+            done.add(f"{kind} (silu(gate) * up)")
+    # The attention code calls the rotary functions as globals of its own module: patched there, for this process.
+    hf_module = sys.modules[type(model).__module__]
+    for name in ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave"):
+        eager = getattr(hf_module, name, None)
+        if eager is not None and not getattr(eager, "compiled_parameter_free", False):
+            setattr(hf_module, name, training(torch.compile(eager), eager))
+            done.add(f"{name} (rotary)")
+    return sorted(done)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .model import compile_parameter_free
 from .watchdog import start_peer_watchdog
 
 
@@ -125,4 +126,19 @@ def build_engine(model: torch.nn.Module, ds_config: dict, train=None):
         schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, mult)  # noqa: E731
     engine, *_ = deepspeed.initialize(model=model, config=ds_config, lr_scheduler=schedule,
                                       model_parameters=model.parameters() if train is not None else None)
+    if compiles_parameter_free(ds_config, train):
+        done = compile_parameter_free(engine.module)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"compile: parameter-free functions only under ZeRO-3: {', '.join(done)}", flush=True)
     return engine
+
+
+def compiles_parameter_free(ds_config: dict, train) -> bool:
+    """ZeRO-3 training on CUDA with train.compile not false: DeepSpeed compiles nothing around AutoEP there, so the
+    parameter-free functions of the layers are compiled instead (model.compile_parameter_free; docs/benchmarks.md,
+    session 8). ZeRO 1-2 compile whole layers (engine/pretrain.py); pipeline stages are left as they are."""
+    from deepspeed.accelerator import get_accelerator
+
+    stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+    return (train is not None and getattr(train, "compile", False) is not False and stage == 3
+            and "pipeline" not in ds_config and get_accelerator().device_name() == "cuda")
