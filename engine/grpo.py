@@ -26,7 +26,7 @@ from .ds_config import read_ds_config, resolve_ds_config, zero_stage
 from .grpo_math import GRPOLossConfig, group_advantages, keep_mask, policy_loss, token_entropy, token_logprobs
 from .metrics import Metrics, print0
 from .model import build_model, make_hf_config
-from .pretrain import peak_memory_gib, report_error
+from .pretrain import forget_zero3_for_transformers, peak_memory_gib, report_error
 from .parallel import World, build_engine, device_kind, init_distributed, model_dtype, world_from_env
 from .rewards import build_rewards
 from .rollout import build_rollout, local_copy
@@ -566,7 +566,10 @@ def main(argv=None) -> int:
 
             export(args.init_from, init, dtype="fp32", force=True)
         dist.barrier()
-    rows = train(recipe, ds, tok, prompts, evals, rewards, init, world)
+    try:
+        rows = train(recipe, ds, tok, prompts, evals, rewards, init, world)
+    finally:
+        forget_zero3_for_transformers()
     if rows:  # none when a resumed run had already reached max_steps or its token budget (and has no eval set)
         print0(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}))
     return 0

@@ -280,6 +280,15 @@ def peak_memory_gib() -> float:
     return round(get_accelerator().max_memory_allocated() / 2**30, 3)
 
 
+def forget_zero3_for_transformers() -> None:
+    """Drop transformers' global DeepSpeed config (engine/model.py: build_model sets it and the model keeps it alive,
+    and DeepSpeed keeps the engine): a model built later in the same process (a test, a notebook) would otherwise
+    be built under zero.Init too, its parameters empty partitions."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     world = world_from_env()
@@ -301,6 +310,8 @@ def main(argv=None) -> int:
         if e.error is not None:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
+    finally:
+        forget_zero3_for_transformers()
     if rows:  # none when resumed at max_steps
         print0(f"done: {rows[-1]['step']} steps, final loss {rows[-1]['loss']:.4f}, run_dir {recipe.run_dir}")
     return 0

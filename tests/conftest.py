@@ -63,9 +63,7 @@ def free_port() -> int:
 
 
 def env(**extra) -> dict:
-    e = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-             # Return freed memory to the OS at once so RSS tracks live memory (memory tests read it).
-             MALLOC_MMAP_THRESHOLD_="65536")
+    e = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     e.update(extra)
     return e
 

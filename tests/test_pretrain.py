@@ -14,22 +14,24 @@ from engine.ds_config import auto_autoep_size, read_ds_config, resolve_ds_config
 PRETRAIN = ROOT / "bin" / "pretrain.py"
 
 
-def test_default_recipe_trains_in_this_process(tmp_path, capsys):
-    """The embedded default recipe, 1 rank, in the pytest process itself (no launcher). zero3.json's "auto" batch
-    sizes are 8 x 1 on the CPU (as the file said before "auto"), printed once and recorded in the checkpoint."""
+def test_default_recipe_runs_in_this_process(tmp_path, capsys):
+    """The embedded default recipe, 1 rank, in the pytest process itself (no launcher: a plain `python
+    bin/pretrain.py` is a world of one). zero3.json's "auto" batch sizes are 8 x 1 on the CPU (as the file said
+    before "auto"), printed once and recorded in the checkpoint. That the default trains (40 steps, the loss falls by
+    more than 1.0) is checked through the launcher, on the README's command: test_readme.py."""
     from engine.pretrain import main
 
     run = tmp_path / "run"
-    assert main(["--deepspeed_config", str(ZERO3), "--max_steps", "40", "--run_dir", str(run)]) == 0
+    assert main(["--deepspeed_config", str(ZERO3), "--max_steps", "3", "--run_dir", str(run)]) == 0
     assert capsys.readouterr().out.count('batch: micro-batch 8 x 1 accumulation per GPU ("auto": ') == 1
-    saved = json.loads((run / "checkpoints" / "step_00000040" / "engine_state.json").read_text())
+    saved = json.loads((run / "checkpoints" / "step_00000003" / "engine_state.json").read_text())
     assert (saved["micro_batch"], saved["grad_accum"]) == (8, 1)
-    rows = read_metrics(run)
-    assert [r["step"] for r in rows] == [10, 20, 30, 40]
-    assert {"step", "loss", "lr", "tokens_per_s"} <= rows[0].keys()
-    assert rows[-1]["loss"] < rows[0]["loss"] - 1.0, [r["loss"] for r in rows]  # ln(512)=6.2 at step 0
-    assert len(rows[0]["expert_load_max_over_mean"]) == 2  # one entry per MoE layer
-    assert (run / "checkpoints" / "latest").read_text() == "step_00000040"
+    assert (run / "checkpoints" / "latest").read_text() == "step_00000003"
+    # transformers' global DeepSpeed config is dropped on return: a model built later in this process (another
+    # test's) is not built under zero.Init with empty partitions (test_bench.py's saved initial model once was)
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    assert not is_deepspeed_zero3_enabled()
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.name)

@@ -38,11 +38,16 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_readme_main_job_trains_the_default(tmp_path):
+    """Also what test_pretrain.py's in-process run used to check on its own 40 steps: the batch sizes printed once,
+    the metrics rows' keys, one expert-load entry per MoE layer."""
     argv = main_job_argv()
-    launch(1, ROOT / argv[1], *argv[2:], "--max_steps", "40", "--run_dir", tmp_path / "run", cwd=ROOT)
+    p = launch(1, ROOT / argv[1], *argv[2:], "--max_steps", "40", "--run_dir", tmp_path / "run", cwd=ROOT)
+    assert p.stdout.count('batch: micro-batch 8 x 1 accumulation per GPU ("auto": ') == 1
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [10, 20, 30, 40]
+    assert {"step", "loss", "lr", "tokens_per_s"} <= rows[0].keys()
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0, [r["loss"] for r in rows]  # ln(512) = 6.2 at step 0
+    assert len(rows[0]["expert_load_max_over_mean"]) == 2  # one entry per MoE layer
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "step_00000040"
 
 
