@@ -103,8 +103,10 @@ class TrainConfig:
     compile: bool | str = "auto"
     """torch.compile through DeepSpeed (engine.compile()) of the layers around the AutoEP blocks (DS config
     "compile": {"autoep_non_moe": true}; routing and experts stay eager). auto: on for CUDA runs whose DS config
-    allows it (ZeRO stage 1-2 with AutoEP, no offload, no pipeline; +21% tokens/s on one H200, docs/benchmarks.md),
-    off otherwise. true: always (refused where DeepSpeed cannot do it). false: never."""
+    allows it (ZeRO stage 1-2 with AutoEP, no offload, no pipeline; +21% tokens/s on one H200, docs/benchmarks.md);
+    under ZeRO-3 on CUDA only the layers' parameter-free functions (RMSNorm's arithmetic, silu(gate) * up, rotary:
+    engine/model.py compile_parameter_free; +12% on one H200), DeepSpeed's hooks staying eager; off otherwise.
+    true: always (refused where DeepSpeed cannot do it). false: never."""
 
 
 @dataclass
