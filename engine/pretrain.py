@@ -30,6 +30,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--config", default=None, help="recipe YAML (default: the embedded tiny recipe)")
     ap.add_argument("--max_steps", type=int, help="override train.max_steps")
     ap.add_argument("--run_dir", help="override run_dir (metrics.jsonl and checkpoints go here)")
+    ap.add_argument("--checkpoint_every", type=int, metavar="STEPS", help="override checkpoint.every_steps")
     ap.add_argument("--resume", action="store_true", help="continue from RUN_DIR/checkpoints/latest, on any world size "
                     "(another world or expert-parallel size goes through DeepSpeed's universal checkpoint)")
     ap.add_argument("--data", help="override data.path: a local text/jsonl/parquet file or folder, or a hub name")
@@ -40,7 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def overrides(args: argparse.Namespace) -> dict:
-    o = {"train.max_steps": args.max_steps, "run_dir": args.run_dir, "data.path": args.data}
+    o = {"train.max_steps": args.max_steps, "run_dir": args.run_dir, "data.path": args.data,
+         "checkpoint.every_steps": getattr(args, "checkpoint_every", None)}
     o = {k: v for k, v in o.items() if v is not None}
     if args.resume:
         o["resume"] = True

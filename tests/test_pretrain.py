@@ -172,6 +172,7 @@ TINY = (RECIPES / "tiny.yaml").read_text()
     ("compile_bad_value", "train.compile: 'fast' is not one of true, false, auto"),
     ("recipe_and_json_together", "train.max_step: unknown key"),
     ("ds_and_data_together", "train_batch_size (10) != "),
+    ("negative_checkpoint_every", "checkpoint: every_steps and every_minutes must be >= 0"),
 ])
 def test_bad_input_is_one_clear_line_before_any_work(tmp_path, case, expect, capfd, monkeypatch):
     """engine.pretrain.main (what bin/pretrain.py runs) in this process, as rank 0 of `world`: exit 2, one line on
@@ -230,6 +231,8 @@ def bad_input(tmp_path, case: str, run):
         args = ["--data", "/nonexistent/corpus.jsonl"]
     elif case == "resume_without_checkpoint":
         args = ["--resume"]
+    elif case == "negative_checkpoint_every":  # --checkpoint_every overrides checkpoint.every_steps
+        args = ["--checkpoint_every", "-1"]
     elif case in ("compile_under_zero3", "compile_bad_value"):
         recipe = TINY.replace("max_steps: 600", "max_steps: 600\n  compile: " + ("true" if case == "compile_under_zero3" else "fast"))
     return run(tmp_path, "--deepspeed_config", ds, *args, world=world, recipe=recipe)
