@@ -230,7 +230,8 @@ def cache_dir() -> Path | None:
 
 def packed_cache_key(d: DataConfig, tokenizer, seed: int) -> str | None:
     """A key naming exactly what `build_data` packs: the local files (path, size, mtime), the tokenizer's content,
-    the text field, seq_len and the curriculum (with the seed, which orders its ties). None: not cacheable (hub data)."""
+    the text field, seq_len and a curriculum with the seed (which orders its ties; without a curriculum the packed
+    windows do not depend on the seed, which shuffles them later). None: not cacheable (hub data)."""
     if not looks_local(d.path) or not Path(d.path).expanduser().exists():
         return None
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -241,7 +242,8 @@ def packed_cache_key(d: DataConfig, tokenizer, seed: int) -> str | None:
         st = Path(f).stat()
         h.update(f"{Path(f).resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
     h.update(backend.to_str().encode())
-    h.update(repr((tokenizer.eos_token_id, d.text_field, d.seq_len, d.curriculum, seed, PACK_VERSION)).encode())
+    ordering = (d.curriculum, seed) if d.curriculum.mode != "none" else None  # the seed orders only a curriculum's ties
+    h.update(repr((tokenizer.eos_token_id, d.text_field, d.seq_len, ordering, PACK_VERSION)).encode())
     return h.hexdigest()[:32]
 
 
