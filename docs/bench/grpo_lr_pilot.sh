@@ -8,12 +8,15 @@
 #      (INIT_FROM of grpo_task.sh) without pretraining again
 #   3. plain GRPO (grpo_arith.yaml, seed 1) once per lr in LRS, all at once: trained on the train prompts except the
 #      first 200, evaluated (greedy, every 10 steps) on those 200 (dev); budget TOKENS generated tokens
-#   4. a table: dev accuracy before, along the way and at the end, training reward and KL at the end, per lr
+#   4. a table: dev accuracy before, along the way and at the end, training reward and KL at the end, per lr;
+#      the lr to choose: the highest mean dev accuracy over the last 3 evals (200 prompts are noisy: ~3.5 points sd)
 #   bash docs/bench/grpo_lr_pilot.sh
 # Session 8 ran it once with BUDGET_S=185: pretraining took 118 s (no JIT build) and the export 21 s, so the pilots
 # were cut after 31 s, before their first step: no result (docs/bench/s8/pilot_console.txt). Give it BUDGET_S >= 330,
 # or INIT_FROM=<an HF dir, e.g. the unpacked init_hf.tgz of a former call> to skip pretraining (then ~150 s).
-# Switches: OUT=/tmp/grpo_lr_pilot BUDGET_S=330 INIT_FROM=<HF dir> LRS="3e-6 1e-5 3e-5 1e-4" TOKENS=32000 PT_STEPS=<recipe's>
+# Run on the 2-core CPU (fp32, docs/bench/s8/cpu/zero2_grpo_cpu.json, INIT_FROM, two lrs per call): about 250-350 s a
+# call of two 32000-token runs; it chose train.lr 1e-5 (docs/bench/s8/cpu/pilot_summary.md, docs/grpo.md).
+# Switches: PORT=<first --master_port (29510)> OUT=/tmp/grpo_lr_pilot BUDGET_S=330 INIT_FROM=<HF dir> LRS="3e-6 1e-5 3e-5 1e-4" TOKENS=32000 PT_STEPS=<recipe's>
 #   PT_RECIPE=engine/recipes/arith_small.yaml PT_DS=ds_configs/zero3.json GRPO_DS=ds_configs/zero2_grpo.json
 # CPU smoke test: OUT=/tmp/plo PT_RECIPE=engine/recipes/tiny.yaml PT_STEPS=3 LRS="1e-5 1e-4" TOKENS=40 \
 #   GRPO_DS=/tmp/gt_ds.json BUDGET_S=200 bash docs/bench/grpo_lr_pilot.sh   (/tmp/gt_ds.json: zero2_grpo at 8 x 1)
@@ -61,7 +64,7 @@ export(sys.argv[1], sys.argv[2], dtype='fp32', log=lambda *a, **k: None)" "$W/pr
 echo "export: at $((SECONDS - T0))s: $(ls "$OUT" | tr '\n' ' ')"
 fi
 
-port=29510
+port=${PORT:-29510}
 PIDS=""
 limit=$(( END - SECONDS - 15 ))
 for lr in $LRS; do
@@ -96,16 +99,17 @@ runs = defaultdict(list)
 for line in open(sys.argv[1]):
     r = json.loads(line)
     runs[r["train_lr"]].append(r)
-print("| train.lr | steps | generated tokens | dev accuracy (%): before -> each eval (every 10 steps) | last 10 steps: "
-      "train reward, KL |")
-print("|---|---|---|---|---|")
+print("| train.lr | steps | generated tokens | dev accuracy (%): before -> each eval (every 10 steps) | "
+      "dev: mean of the last 3 evals (selects) | last 10 steps: train reward, KL |")
+print("|---|---|---|---|---|---|")
 for lr, rows in sorted(runs.items()):
     ev = [f"{100 * r['eval_reward_numeric']:.1f}" for r in rows if "eval_reward_numeric" in r]
     st = [r for r in rows if r["step"] > 0][-10:]
     rew = sum(r["reward"] for r in st) / max(len(st), 1)
     kl = sum(r["kl"] for r in st) / max(len(st), 1)
+    last3 = [100 * r["eval_reward_numeric"] for r in rows if "eval_reward_numeric" in r][-3:]
     print(f"| {lr:g} | {rows[-1]['step']} | {rows[-1].get('generated_tokens_total', 0):.0f} | {' -> '.join(ev)} | "
-          f"{rew:.3f}, {kl:.3f} |")
+          f"{sum(last3) / len(last3):.1f} | {rew:.3f}, {kl:.3f} |")
 EOF
 tar czf "$OUT/pilot_logs.tgz" -C "$LOGS" . 2>/dev/null
 echo "total: $((SECONDS - T0))s"

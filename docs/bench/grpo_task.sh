@@ -21,6 +21,8 @@
 #   VARIANTS="plain curriculum tree tree_curriculum" TOKENS=<recipe's> GRPO_MAX_STEPS=<recipe's> SKIP_DECODE_BENCH=1
 #   PT_RECIPE=engine/recipes/arith_small.yaml PT_DS=ds_configs/zero3.json GRPO_DS=ds_configs/zero2_grpo.json
 #   SUMMARY_ONLY=1 (re-read $OUT)  INIT_FROM=<HF dir: skip pretraining>  LR=<train.lr of the GRPO runs instead of the recipe's>
+#   PARALLEL=<at most this many GRPO runs at once (each still cut BUDGET_S - 45 s after its own start); default all>
+#   PORT=<first --master_port of the GRPO runs (29510)>
 # CPU smoke test (tiny model, a few steps, one seed):
 #   OUT=/tmp/gt PT_RECIPE=engine/recipes/tiny.yaml PT_MAX_STEPS=4 PT_EVERY=2 TARGET=2 SEEDS=1 TOKENS=300 \
 #   GRPO_MAX_STEPS=2 GRPO_DS=/tmp/gt_ds.json bash docs/bench/grpo_task.sh   (/tmp/gt_ds.json: zero2_grpo at 8 x 1)
@@ -93,7 +95,7 @@ EOF
 
   # 3. GRPO: every variant x seed at once
   mkdir -p "$W/recipes"
-  port=29510
+  port=${PORT:-29510}
   PIDS=""
   limit=$(( $(left) - 45 ))
   echo "GRPO: $(echo $VARIANTS | wc -w) variants x $(echo $SEEDS | wc -w) seeds at $((SECONDS - T0))s, each cut at ${limit}s"
@@ -115,6 +117,8 @@ r["checkpoint"] = {"every_steps": 0, "at_end": False}
 yaml.safe_dump(r, open(dst, "w"), sort_keys=False)
 EOF
       rm -rf "$W/runs/$name"
+      # PARALLEL=N: at most N GRPO runs at once (a CPU machine); default all at once
+      while [ -n "${PARALLEL:-}" ] && [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do sleep 2; done
       timeout -k 15 "$limit" $DS --master_port $port --num_gpus 1 bin/grpo.py --deepspeed_config "$GRPO_DS" \
         --config "$W/recipes/$name.yaml" --init_from "$W/init_hf" --run_dir "$W/runs/$name" > "$LOGS/grpo_$name.log" 2>&1 &
       PIDS="$PIDS $!:$name"

@@ -69,6 +69,9 @@ def main(argv=None) -> int:
     ap.add_argument("--selected")
     ap.add_argument("--budget", type=float, help="grpo.max_generated_tokens of the runs (default: the recipe's)")
     ap.add_argument("--grid", type=int, default=8, help="points of the curve table")
+    ap.add_argument("--ds_config", default="ds_configs/zero2_grpo.json", help="DeepSpeed config named in the command column")
+    ap.add_argument("--init_from", default="runs/arith_small", help="--init_from named in the command column")
+    ap.add_argument("--lr", help="train.lr of the runs, when not the recipe's (named in the command column)")
     args = ap.parse_args(argv)
 
     if args.pretrain and Path(args.pretrain).is_file():
@@ -122,8 +125,8 @@ def main(argv=None) -> int:
             st = r["steps"]
             n = len(st)
             tps = mean([x["generated_tokens"] for x in st])
-            cmd = (f"`bin/grpo.py --deepspeed_config ds_configs/zero2_grpo.json --config engine/recipes/{RECIPE[v]}` "
-                   f"(train.seed {s}) `--init_from runs/arith_small`")
+            cmd = (f"`bin/grpo.py --deepspeed_config {args.ds_config} --config engine/recipes/{RECIPE[v]}` "
+                   f"(train.seed {s}{', train.lr ' + args.lr if args.lr else ''}) `--init_from {args.init_from}`")
             print(f"| {NAME[v]} | {s} | {pct(b)} | {pct(a)} | {pct(None if a is None or b is None else a - b, True)} | "
                   f"{n}{'' if complete[k] else ' (cut)'} | {tokens_after(k):.0f} | {tps:.1f} | "
                   f"{statistics.median([x['step_s'] for x in st]):.3f} | {statistics.median([x['rollout_s'] for x in st]):.3f} | {cmd} |")
