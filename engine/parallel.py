@@ -37,6 +37,7 @@ def init_distributed() -> None:
                           MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
                           MASTER_PORT=os.environ.get("MASTER_PORT", str(29500 + os.getpid() % 1000)))
     skip_cpu_shm_op()
+    quick_cpu_info()
     deepspeed.init_distributed()
     release_shm_names()
     # DeepSpeed's own process groups wait up to torch's default timeout (10-30 min) on a dead peer; the watchdog
@@ -67,6 +68,37 @@ def skip_cpu_shm_op() -> None:
     if ops is None:  # not probed yet: no need to probe (it runs compiler subprocesses) for this one answer
         deepspeed.ops.__compatible_ops__ = ops = {}
     ops["deepspeed_shm_comm"] = False
+
+
+def quick_cpu_info() -> None:
+    """On x86-64 Linux CPU ranks, answer DeepSpeed's CPU-op probe of the processor from /proc/cpuinfo.
+
+    Every load of a CPU op (FusedAdam, DeepSpeedCPUAdam), built or not, computes its compiler flags to find its
+    build and asks py-cpuinfo twice for them. py-cpuinfo starts a Python subprocess that sleeps 1 s to time the
+    clock: 2.4 s per rank before the first step. DeepSpeed reads only "arch", "flags" (-march, the SIMD width) and
+    "vendor_id_raw" (CPUAdam); those come from the same kernel file py-cpuinfo reads on Linux, so the flags and
+    therefore the op build found are the same (tests/test_pretrain.py compares them). Elsewhere: nothing changes.
+    """
+    import platform
+    import sys
+
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu" or platform.machine() != "x86_64" or sys.platform != "linux":
+        return
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return
+    fields = dict(line.split(":", 1) for line in text.split("\n\n")[0].splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    if "flags" not in fields:
+        return
+    info = {"arch": "X86_64", "bits": 64, "flags": sorted(fields["flags"].split()),
+            "vendor_id_raw": fields.get("vendor_id", "unknown")}
+    import cpuinfo
+
+    cpuinfo.get_cpu_info = lambda: dict(info)
 
 
 def device_kind() -> str:

@@ -53,6 +53,31 @@ def test_every_shipped_config_resolves(recipe, ds, world):
     assert read_ds_config(ds)["expert_parallel"]["autoep_size"] == "auto"  # the file itself is untouched
 
 
+def test_quick_cpu_info_gives_deepspeed_the_same_op_flags_as_py_cpuinfo(monkeypatch):
+    """engine/parallel.py quick_cpu_info answers DeepSpeed's CPU-op probe from /proc/cpuinfo: the compiler flags of
+    each CPU op (so the build it loads) and CPUAdam's vendor must equal what py-cpuinfo gives."""
+    import platform
+
+    import cpuinfo
+    from deepspeed.accelerator import get_accelerator
+
+    from engine.parallel import quick_cpu_info
+
+    if get_accelerator().device_name() != "cpu" or platform.machine() != "x86_64" or sys.platform != "linux":
+        pytest.skip("quick_cpu_info only acts on x86-64 Linux CPU ranks")
+    builders = [get_accelerator().create_op_builder(n) for n in ("FusedAdamBuilder", "CPUAdamBuilder")]
+    real = cpuinfo.get_cpu_info()
+    before = [(b.cpu_arch(), b.simd_width(), b.cxx_args()) for b in builders]
+    original = cpuinfo.get_cpu_info
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", original)  # restored after the test
+    quick_cpu_info()
+    assert cpuinfo.get_cpu_info is not original
+    quick = cpuinfo.get_cpu_info()
+    assert [(b.cpu_arch(), b.simd_width(), b.cxx_args()) for b in builders] == before
+    assert quick["vendor_id_raw"] == real["vendor_id_raw"] and quick["arch"] == real["arch"]
+    assert set(quick["flags"]) >= {f for f in real["flags"] if f.startswith(("avx", "sve", "fma"))}
+
+
 def test_auto_autoep_size_stays_inside_a_node():
     assert auto_autoep_size(num_experts=64, world_size=16, ranks_per_node=8) == 8
     assert auto_autoep_size(num_experts=8, world_size=2, ranks_per_node=2) == 2
