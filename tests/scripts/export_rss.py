@@ -31,6 +31,7 @@ def peak_mib() -> float:
 
 
 if __name__ == "__main__":
+    from engine.proc import exit_now  # skips the interpreter's slow teardown
     figures = {"imports_mib": peak_mib()}
     args = export.parse_args(sys.argv[1:])
     export.plan_export(export.find_tag_dir(args.checkpoint_dir, args.tag).resolve(), args.dtype)
@@ -38,4 +39,4 @@ if __name__ == "__main__":
     rc = export.main(sys.argv[1:])
     figures["peak_mib"] = peak_mib()
     print(json.dumps({"rc": rc, **{k: round(v, 1) for k, v in figures.items()}}), flush=True)
-    sys.exit(rc)
+    exit_now(rc)

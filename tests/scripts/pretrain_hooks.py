@@ -58,9 +58,10 @@ def recording_load(engine, run_dir):
 checkpoint.load = recording_load
 
 if __name__ == "__main__":
+    from engine.proc import exit_now  # skips the interpreter's slow teardown
     rc = pretrain.main()
     info["rc"] = rc
     if OUT:
         Path(OUT).mkdir(parents=True, exist_ok=True)
         Path(OUT, f"rank{RANK}.json").write_text(json.dumps(info))
-    sys.exit(rc)
+    exit_now(rc)
