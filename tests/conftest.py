@@ -126,7 +126,7 @@ def run_in_process(main, argv: list, capfd, monkeypatch, cwd: Path | None = None
     For the refusal tests: a subprocess spends 5-10 s importing torch and transformers before the check that
     refuses the input takes milliseconds. What a fresh process prints at import time is checked once per entry
     point by a test that still runs it as a subprocess. Stopping "before any work" is enforced here:
-    `engine.pretrain.init_distributed` raises, so a check that lets bad input through fails instead of waiting
+    `init_distributed` (engine.pretrain's and the entry point module's) raises, so a check that lets bad input through fails instead of waiting
     for ranks that do not exist.
     """
     import engine.pretrain
@@ -135,6 +135,9 @@ def run_in_process(main, argv: list, capfd, monkeypatch, cwd: Path | None = None
         raise AssertionError(f"{argv}: got past the checks to init_distributed (bad input was let through)")
 
     monkeypatch.setattr(engine.pretrain, "init_distributed", no_work)
+    own = sys.modules[main.__module__]  # engine.grpo imports its own name for it
+    if hasattr(own, "init_distributed"):
+        monkeypatch.setattr(own, "init_distributed", no_work)
     for k, v in environ.items():
         monkeypatch.setenv(k, str(v))
     if cwd is not None:

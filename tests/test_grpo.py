@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from conftest import DEEPSPEED, ROOT, ZERO3, env, free_port, read_metrics, write_ds
+from conftest import DEEPSPEED, ROOT, ZERO3, env, free_port, read_metrics, run_in_process, write_ds
 
 PROBE = ROOT / "tests" / "scripts" / "grpo_probe.py"
 GRPO = ROOT / "bin" / "grpo.py"
@@ -247,6 +247,18 @@ def run_cli(tmp_path, *args, recipe: str | None = None):
     return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=120)
 
 
+def run_cli_in_process(tmp_path, *args, recipe: str | None = None, capfd, monkeypatch):
+    """run_cli's run, in this process (conftest.run_in_process)."""
+    from engine.grpo import main
+
+    argv = ["--deepspeed_config", ZERO3_GRPO, *args]
+    if recipe is not None:
+        (tmp_path / "recipe.yaml").write_text(recipe)
+        argv += ["--config", tmp_path / "recipe.yaml"]
+    argv += ["--run_dir", tmp_path / "run"]
+    return run_in_process(main, argv, capfd, monkeypatch, cwd=ROOT, RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, LOCAL_SIZE=1)
+
+
 TINY = (ROOT / "engine" / "recipes" / "grpo_tiny.yaml").read_text()
 
 
@@ -259,7 +271,11 @@ TINY = (ROOT / "engine" / "recipes" / "grpo_tiny.yaml").read_text()
     ("missing_init_from", "--init_from /nonexistent/pretrain_run: no such directory"),
     ("init_from_without_checkpoint", "--init_from"),
 ])
-def test_bad_input_is_one_clear_line_before_any_work(tmp_path, case, expect):
+def test_bad_input_is_one_clear_line_before_any_work(tmp_path, case, expect, capfd, monkeypatch):
+    """engine.grpo.main (what bin/grpo.py runs) in this process, as rank 0 of 1 from the repo root: exit 2, one line
+    on stderr, nothing written. What a fresh process prints besides (import-time warnings, datasets' progress bar)
+    is checked through `python bin/grpo.py` by test_prompts_load_without_a_progress_bar and
+    test_pipeline_config_is_refused_before_any_work."""
     args, recipe = [], None
     if case == "prompt_too_long":
         rows = [PROMPTS[0], {"prompt": "Gus went to the harbor with 9 pens. " * 60, "answer": "9"}]
@@ -277,7 +293,7 @@ def test_bad_input_is_one_clear_line_before_any_work(tmp_path, case, expect):
         (tmp_path / "empty").mkdir()  # exists, but neither a run dir with checkpoints nor a HF model dir
         args = ["--init_from", tmp_path / "empty"]
     assert recipe is None or recipe != TINY
-    p = run_cli(tmp_path, *args, recipe=recipe)
+    p = run_cli_in_process(tmp_path, *args, recipe=recipe, capfd=capfd, monkeypatch=monkeypatch)
     assert p.returncode == 2, p.stderr[-3000:]
     # (datasets' progress bar while reading a new prompts file: see test_prompts_load_without_a_progress_bar)
     lines = [line for line in p.stderr.splitlines() if line.strip() and not line.startswith("Generating train split")]
