@@ -17,8 +17,11 @@ def exit_now(code) -> NoReturn:
     does that matters still happens, in the same order: other non-daemon threads are joined, the atexit handlers
     run (the peer watchdog's goodbye, logging's flush), stdout and stderr are flushed; then the process ends with
     `code` as sys.exit takes it (None -> 0; a message -> printed to stderr, 1). Only a normal return comes here:
-    an exception leaves the usual way.
+    an exception leaves the usual way. Under a profiler or tracer (`python -m cProfile`, coverage), which write their
+    results at the interpreter's exit, it exits the usual way.
     """
+    if sys.getprofile() is not None or sys.gettrace() is not None:
+        sys.exit(code)
     if code is not None and not isinstance(code, int):
         print(code, file=sys.stderr)
         code = 1

@@ -44,3 +44,13 @@ def test_engine_proc_does_not_import_torch():
     p = subprocess.run([sys.executable, "-c", "import sys, engine.proc; print('torch' in sys.modules)"], cwd=ROOT,
                        env=env(), capture_output=True, text=True, timeout=60)
     assert p.stdout.strip() == "False", p.stderr
+
+
+def test_exit_now_leaves_the_usual_way_under_a_profiler(tmp_path):
+    """`python -m cProfile -o F bin/X` writes F at the interpreter's exit: it must still be written."""
+    script = tmp_path / "prog.py"
+    script.write_text(PROGRAM.replace("CODE", "0"))
+    p = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(tmp_path / "prof.out"), str(script),
+                        str(tmp_path / "out.txt")], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "prof.out").stat().st_size > 0 and (tmp_path / "out.txt").read_text() == "written"
