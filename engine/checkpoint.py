@@ -365,6 +365,13 @@ def load(engine, run_dir: str | Path) -> dict:
         with torch.no_grad():
             for name, value in buffers.items():
                 own[name].copy_(value)
+        # DeepSpeed 0.19.8's ZeRO-3 universal load gives every flat partition's optimizer state the same `step`
+        # tensor. torch's Adam adds 1 to each state's step in place, so a shared one would count once per
+        # partition per step, and the bias correction would drift from the uninterrupted run's.
+        opt = getattr(engine.optimizer, "optimizer", engine.optimizer)
+        for state in (opt.state.values() if opt is not None else ()):
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
     _rebuild_cpu_adam_products(engine)
     rng_file = root / tag / f"rng_rank{dist.get_rank()}.pt"
     if rng_file.is_file():  # a rank beyond the saved world size keeps its seeded RNG

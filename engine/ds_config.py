@@ -66,7 +66,7 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, ranks_per_node
     if "pipeline" in cfg:
         stages, found = check_pipeline(cfg, recipe, stage)
         p += found
-    p += resolve_optimizer(cfg, recipe)
+    p += resolve_optimizer(cfg, recipe, device)
     p += resolve_expert_parallel(cfg, recipe, world_size, stages, ranks_per_node, device)
     p += resolve_compile(cfg, recipe)
     p += resolve_batch_size(cfg, world_size, stages, recipe, device, auto_batch)
@@ -76,16 +76,28 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, ranks_per_node
     return cfg
 
 
-def resolve_optimizer(cfg: dict, recipe: Recipe) -> list[str]:
-    """The recipe drives the LR schedule; the file's optimizer keeps its lr, "auto" taking the recipe's train.lr."""
+def resolve_optimizer(cfg: dict, recipe: Recipe, device: str = "cpu") -> list[str]:
+    """The recipe drives the LR schedule; the file's optimizer keeps its lr, "auto" taking the recipe's train.lr.
+
+    On CPU ranks an Adam/AdamW without optimizer offload runs as torch's AdamW ("torch_adam": true, unless the file
+    says otherwise) instead of DeepSpeed's FusedAdam, whose CPU build is a ~110 s C++ compile on a new 2-core
+    machine and which is no faster for the small models a CPU trains. GPUs keep FusedAdam; offloaded optimizer
+    states keep DeepSpeedCPUAdam."""
     p = []
     if "scheduler" in cfg:
         p.append("scheduler: remove it; the recipe's train.warmup_steps/min_lr_ratio/max_steps drive the LR "
                  "schedule (the optimizer's lr stays in this file)")
     if "optimizer" not in cfg:
         p.append('optimizer: missing; add e.g. {"type": "AdamW", "params": {"lr": "auto", "weight_decay": 0.1}}')
-    elif (cfg["optimizer"].get("params") or {}).get("lr", "auto") == "auto":
-        cfg["optimizer"].setdefault("params", {})["lr"] = recipe.train.lr
+    else:
+        params = cfg["optimizer"].setdefault("params", {}) or {}
+        cfg["optimizer"]["params"] = params
+        if params.get("lr", "auto") == "auto":
+            params["lr"] = recipe.train.lr
+        offload = (cfg.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device", "none")
+        adam = str(cfg["optimizer"].get("type", "")).lower() in ("adam", "adamw")
+        if device == "cpu" and adam and offload in (None, "none") and "torch_adam" not in params:
+            params["torch_adam"] = True
     return p
 
 

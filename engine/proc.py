@@ -16,15 +16,15 @@ def exit_now(code) -> NoReturn:
     DeepSeek-V3 model class alone, 2.2 s), which nothing needs once the work is on disk. Everything a normal exit
     does that matters still happens, in the same order: other non-daemon threads are joined, the atexit handlers
     run (the peer watchdog's goodbye, logging's flush), stdout and stderr are flushed; then the process ends with
-    `code` as sys.exit takes it (None -> 0; a message -> printed to stderr, 1). Only a normal return comes here:
-    an exception leaves the usual way. Under a profiler or tracer (`python -m cProfile`, coverage), which write their
-    results at the interpreter's exit, it exits the usual way.
+    0. Only a normal return comes here: an exception leaves the usual way.
+
+    A failure code (a refusal, a data error; anything sys.exit would not end with 0) also leaves the usual way:
+    the launcher ends every other rank as soon as one exits non-zero, and a refusing rank that left at once cut
+    off rank 0 while it printed the one-line error (test_resume.py's damaged checkpoint through the launcher). So
+    does a run under a profiler or tracer (`python -m cProfile`, coverage), which writes its results at exit.
     """
-    if sys.getprofile() is not None or sys.gettrace() is not None:
+    if code or sys.getprofile() is not None or sys.gettrace() is not None:
         sys.exit(code)
-    if code is not None and not isinstance(code, int):
-        print(code, file=sys.stderr)
-        code = 1
     for t in threading.enumerate():
         if t is not threading.current_thread() and not t.daemon:
             t.join()
@@ -34,4 +34,4 @@ def exit_now(code) -> NoReturn:
             stream.flush()
         except (OSError, ValueError):
             pass
-    os._exit(code or 0)
+    os._exit(0)

@@ -43,21 +43,20 @@ def pytest_unconfigure(config):
 
 
 def pytest_sessionstart(session):
-    """Build DeepSpeed's CPU Adam ops (FusedAdam: the shipped configs' AdamW on CPU; DeepSpeedCPUAdam: zero3_offload)
-    once, in this process, before any launch.
+    """Build DeepSpeed's CPU Adam op (DeepSpeedCPUAdam: zero3_offload.json's optimizer) once, in this process,
+    before any launch.
 
-    They are JIT-compiled into ~/.cache/torch_extensions on first use. Built here, no two ranks race for the build
-    lock, and a launch's timeout never includes a compile (27 min once, on a loaded 2-core machine). The third CPU
-    op DeepSpeed would build, the shared-memory all-reduce, is skipped (engine/parallel.py: skip_cpu_shm_op).
-    torch's AdamW instead of FusedAdam would save FusedAdam's build, but a resume on another world size (DeepSpeed's
-    universal checkpoint) then loses Adam's per-parameter step counts: tests/test_resume.py's 2 -> 1 rank resume
-    moved the loss by 2.4e-4 relative.
+    It is JIT-compiled into ~/.cache/torch_extensions on first use (~110 s on a new 2-core machine). Built here, no
+    two ranks race for the build lock, and a launch's timeout never includes a compile (27 min once, on a loaded
+    2-core machine). The configs without offload run torch's AdamW on CPU ranks (engine/ds_config.py:
+    resolve_optimizer), so DeepSpeed's FusedAdam is not built; the shared-memory all-reduce is skipped too
+    (engine/parallel.py: skip_cpu_shm_op).
     """
     from deepspeed.accelerator import get_accelerator
 
     if get_accelerator().device_name() != "cpu":
         return
-    for name in ("FusedAdamBuilder", "CPUAdamBuilder"):
+    for name in ("CPUAdamBuilder",):
         builder = get_accelerator().create_op_builder(name)
         if builder is not None and builder.is_compatible():
             builder.load(verbose=False)

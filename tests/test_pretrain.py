@@ -53,6 +53,23 @@ def test_every_shipped_config_resolves(recipe, ds, world):
     assert read_ds_config(ds)["expert_parallel"]["autoep_size"] == "auto"  # the file itself is untouched
 
 
+@pytest.mark.parametrize("ds, device, written, expect", [
+    ("zero3.json", "cpu", None, True),  # CPU ranks: torch's AdamW, no FusedAdam build
+    ("zero2.json", "cpu", None, True),
+    ("zero3.json", "cpu", False, False),  # a value in the file is kept
+    ("zero3_offload.json", "cpu", None, None),  # offloaded states keep DeepSpeedCPUAdam
+    ("zero3.json", "cuda", None, None),  # GPUs keep FusedAdam
+])
+def test_cpu_ranks_take_torch_adamw_unless_offloaded_or_written(ds, device, written, expect):
+    raw = read_ds_config(ROOT / "ds_configs" / ds)
+    if written is not None:
+        raw["optimizer"]["params"]["torch_adam"] = written
+    cfg = resolve_ds_config(raw, load_recipe(None), world_size=1, ranks_per_node=1, device=device,
+                            auto_batch=AutoBatch(memory_gib=80.0))  # memory given: no device is asked
+    assert cfg["optimizer"]["params"].get("torch_adam") == expect
+    assert "torch_adam" not in read_ds_config(ROOT / "ds_configs" / ds)["optimizer"]["params"]  # file untouched
+
+
 def test_quick_cpu_info_gives_deepspeed_the_same_op_flags_as_py_cpuinfo(monkeypatch):
     """engine/parallel.py quick_cpu_info answers DeepSpeed's CPU-op probe from /proc/cpuinfo: the compiler flags of
     each CPU op (so the build it loads) and CPUAdam's vendor must equal what py-cpuinfo gives."""

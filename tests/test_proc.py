@@ -26,15 +26,19 @@ def run(tmp_path, code: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
-def test_exit_now_joins_threads_runs_atexit_flushes_and_returns_the_code(tmp_path):
-    p = run(tmp_path, "3")
-    assert p.returncode == 3, p.stderr
+def test_exit_now_joins_threads_runs_atexit_and_flushes(tmp_path):
+    """A finished run (code 0 or None) leaves through os._exit: what a normal exit does must still happen."""
+    p = run(tmp_path, "0")
+    assert p.returncode == 0, p.stderr
     assert p.stdout.splitlines() == ["buffered line", "atexit ran"]
     assert (tmp_path / "out.txt").read_text() == "written"
 
 
 def test_exit_now_takes_codes_as_sys_exit_does(tmp_path):
+    """A failure code leaves the usual way (sys.exit), so a refusing rank never outruns rank 0's error line."""
     assert run(tmp_path, "None").returncode == 0
+    p = run(tmp_path, "3")
+    assert p.returncode == 3 and p.stdout.splitlines() == ["buffered line", "atexit ran"], p.stderr
     p = run(tmp_path, "'bad thing'")
     assert p.returncode == 1 and p.stderr.strip().splitlines()[-1] == "bad thing"
 
