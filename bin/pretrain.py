@@ -8,7 +8,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout too
 
 from engine.pretrain import main  # noqa: E402
-from engine.proc import exit_now  # noqa: E402
 
 if __name__ == "__main__":
-    exit_now(main())  # the run is on disk: skip the interpreter's slow teardown
+    from engine.proc import exit_now  # skips the interpreter's slow teardown
+    exit_now(main())

@@ -90,8 +90,7 @@ def resolve_optimizer(cfg: dict, recipe: Recipe, device: str = "cpu") -> list[st
     if "optimizer" not in cfg:
         p.append('optimizer: missing; add e.g. {"type": "AdamW", "params": {"lr": "auto", "weight_decay": 0.1}}')
     else:
-        params = cfg["optimizer"].setdefault("params", {}) or {}
-        cfg["optimizer"]["params"] = params
+        params = cfg["optimizer"]["params"] = cfg["optimizer"].get("params") or {}
         if params.get("lr", "auto") == "auto":
             params["lr"] = recipe.train.lr
         offload = (cfg.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device", "none")

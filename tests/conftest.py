@@ -125,8 +125,8 @@ def run_in_process(main, argv: list, capfd, monkeypatch, cwd: Path | None = None
     For the refusal tests: a subprocess spends 5-10 s importing torch and transformers before the check that
     refuses the input takes milliseconds. What a fresh process prints at import time is checked once per entry
     point by a test that still runs it as a subprocess. Stopping "before any work" is enforced here:
-    `init_distributed` (engine.pretrain's and the entry point module's) raises, so a check that lets bad input through fails instead of waiting
-    for ranks that do not exist.
+    `init_distributed` (engine.pretrain's and the entry point module's) raises, so a check that lets bad input
+    through fails instead of waiting for ranks that do not exist.
     """
     import engine.pretrain
 
