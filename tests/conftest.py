@@ -35,31 +35,37 @@ def pytest_configure(config):
         torch.set_num_threads(1)
     if "PYTEST_XDIST_WORKER" not in os.environ and "MOE_ENGINE_CACHE" not in os.environ:
         os.environ["MOE_ENGINE_CACHE"] = config._moe_cache = tempfile.mkdtemp(prefix="moe-engine-cache-")
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        config._op_build = start_cpu_adam_build()
+
+
+def start_cpu_adam_build() -> subprocess.Popen:
+    """Build DeepSpeed's CPU Adam op (DeepSpeedCPUAdam: zero3_offload.json's optimizer) in the background, from the
+    start of the run, while the tests run.
+
+    It is JIT-compiled into ~/.cache/torch_extensions on first use (~110 CPU-s on a 2-core machine; a no-op once
+    built). Started here, it is done long before the offload test's launch, whose ranks would otherwise compile it
+    inside their timeout; a rank that asks for it while it is still building waits on torch's build lock. The configs
+    without offload run torch's AdamW on CPU ranks (engine/ds_config.py: resolve_optimizer), so FusedAdam is not built;
+    the shared-memory all-reduce is skipped too (engine/parallel.py: skip_cpu_shm_op).
+    """
+    code = ("from deepspeed.accelerator import get_accelerator as a\n"
+            "b = a().create_op_builder('CPUAdamBuilder') if a().device_name() == 'cpu' else None\n"
+            "b is not None and b.is_compatible() and b.load(verbose=False)")
+    log = tempfile.TemporaryFile("w+")
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT)
+    p.log = log
+    return p
 
 
 def pytest_unconfigure(config):
+    build = getattr(config, "_op_build", None)
+    if build is not None:  # let it finish (never leave torch's build lock behind a killed compile)
+        if build.wait() != 0:
+            build.log.seek(0)
+            print(f"CPU Adam op build failed (exit {build.returncode}):\n{build.log.read()[-3000:]}", file=sys.stderr)
     if getattr(config, "_moe_cache", None):
         shutil.rmtree(config._moe_cache, ignore_errors=True)
-
-
-def pytest_sessionstart(session):
-    """Build DeepSpeed's CPU Adam op (DeepSpeedCPUAdam: zero3_offload.json's optimizer) once, in this process,
-    before any launch.
-
-    It is JIT-compiled into ~/.cache/torch_extensions on first use (~110 s on a new 2-core machine). Built here, no
-    two ranks race for the build lock, and a launch's timeout never includes a compile (27 min once, on a loaded
-    2-core machine). The configs without offload run torch's AdamW on CPU ranks (engine/ds_config.py:
-    resolve_optimizer), so DeepSpeed's FusedAdam is not built; the shared-memory all-reduce is skipped too
-    (engine/parallel.py: skip_cpu_shm_op).
-    """
-    from deepspeed.accelerator import get_accelerator
-
-    if get_accelerator().device_name() != "cpu":
-        return
-    for name in ("CPUAdamBuilder",):
-        builder = get_accelerator().create_op_builder(name)
-        if builder is not None and builder.is_compatible():
-            builder.load(verbose=False)
 
 
 def free_port() -> int:
