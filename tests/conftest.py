@@ -59,6 +59,8 @@ def start_cpu_adam_build() -> subprocess.Popen:
 
 
 def pytest_unconfigure(config):
+    if _pool is not None:
+        _pool.close()
     build = getattr(config, "_op_build", None)
     if build is not None:  # let it finish (never leave torch's build lock behind a killed compile)
         if build.wait() != 0:
@@ -120,6 +122,107 @@ def launch_together(jobs: list[tuple], cwd: Path, timeout: int = 600,
         if check and p.returncode != 0:
             raise AssertionError(f"{' '.join(p.args)} exited {p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}")
     return done
+
+
+# ------------------------------------------------------------------------------------- jobs on warm ranks
+
+POOL = ROOT / "tests" / "scripts" / "pool.py"
+
+
+class RankPool:
+    """Two CPU ranks started once through the real launcher (tests/scripts/pool.py), each running the jobs given to
+    `run` one after another, as `python SCRIPT ARGS` would on that rank. One per test worker, started on first use."""
+
+    def __init__(self, ranks: int = 2):
+        self.ranks, self.k = ranks, 0
+        self.dir = Path(tempfile.mkdtemp(prefix="moe-engine-pool-"))
+        self.log = open(self.dir / "pool.log", "w")
+        self.proc = subprocess.Popen([DEEPSPEED, "--master_port", str(free_port()), "--num_gpus", str(ranks),
+                                      str(POOL), str(self.dir)], cwd=self.dir, env=env(), stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def outputs(self, k: int) -> tuple[str, str]:
+        read = [[(self.dir / f"{k}.rank{r}.{s}") for r in range(self.ranks)] for s in ("out", "err")]
+        return tuple("".join(f.read_text() for f in files if f.exists()) for files in read)
+
+    def run(self, script, args: list, cwd: Path, environ: dict, path: list, timeout: float):
+        k, self.k = self.k, self.k + 1
+        spec = {"script": str(script), "argv": [str(a) for a in args], "cwd": str(cwd),
+                "env": {k_: str(v) for k_, v in environ.items()}, "path": [str(p) for p in path]}
+        (self.dir / f"{k}.tmp").write_text(json.dumps(spec))
+        (self.dir / f"{k}.tmp").rename(self.dir / f"{k}.json")
+        rcs, end = [self.dir / f"{k}.rank{r}.rc" for r in range(self.ranks)], time.time() + timeout
+        while not all(f.exists() for f in rcs):
+            if self.proc.poll() is not None or time.time() > end:
+                why = f"exited {self.proc.returncode}" if self.proc.poll() is not None else f"ran past {timeout} s"
+                (out, err), log = self.outputs(k), (self.dir / "pool.log").read_text()
+                self.close(kill=True)
+                raise AssertionError(f"{script} {' '.join(spec['argv'])} on the rank pool: {why}\n{out[-3000:]}\n"
+                                     f"{err[-3000:]}\npool log:\n{log[-3000:]}")
+            time.sleep(0.02)
+        codes = [int(f.read_text()) for f in rcs]
+        return subprocess.CompletedProcess(["<rank pool>", str(script), *spec["argv"]],
+                                           next((c for c in codes if c), 0), *self.outputs(k))
+
+    def close(self, kill: bool = False) -> None:
+        if self.proc.poll() is None and not kill:
+            (self.dir / "stop").touch()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                kill = True
+        if self.proc.poll() is None:  # SIGINT first: a rank inside a JIT op build drops torch's build lock on its way out
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_pool: RankPool | None = None
+
+
+def run_ranks(n_ranks: int, script, *args, cwd: Path, environ: dict | None = None, path: tuple = (),
+              timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
+    """`deepspeed --num_gpus n_ranks script args` for a test that checks what the run computes and writes, not how
+    processes start and end: 2 ranks run it on this worker's RankPool, 1 rank in this process (a world of one, as
+    `python script args` without a launcher), any other count as a real launch. `environ` and `path` (PYTHONPATH
+    entries) are the job's additions. What only a fresh process shows (start-up, signals, exit codes of the
+    processes, peak memory) is tested through `launch` and friends."""
+    global _pool
+    environ = dict(environ or {})
+    if n_ranks == 1:
+        import importlib.util
+
+        loader = importlib.util.spec_from_file_location("moe_test_pool", POOL)
+        module = importlib.util.module_from_spec(loader)
+        loader.loader.exec_module(module)
+        out = Path(tempfile.mkdtemp(prefix="moe-engine-job-"))
+        environ = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(free_port()), **environ}
+        spec = {"script": str(script), "argv": [str(a) for a in args], "cwd": str(cwd), "env": environ,
+                "path": [str(p) for p in path]}
+        rc = module.run_job(spec, out / "out", out / "err")
+        p = subprocess.CompletedProcess(["<this process>", str(script), *spec["argv"]], rc,
+                                        (out / "out").read_text(), (out / "err").read_text())
+        shutil.rmtree(out, ignore_errors=True)
+    elif n_ranks == 2:
+        if _pool is None or _pool.proc.poll() is not None:
+            _pool = RankPool(2)
+        p = _pool.run(script, list(args), cwd, environ, list(path), timeout)
+    else:
+        e = env(**environ)
+        if path:
+            e["PYTHONPATH"] = os.pathsep.join([*map(str, path), e["PYTHONPATH"]])
+        cmd = [DEEPSPEED, "--master_port", str(free_port()), "--num_gpus", str(n_ranks), str(script), *map(str, args)]
+        r = subprocess.run(cmd, cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
+        p = subprocess.CompletedProcess(cmd, r.returncode, r.stdout, r.stderr)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{' '.join(p.args)} exited {p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}")
+    return p
 
 
 def run_in_process(main, argv: list, capfd, monkeypatch, cwd: Path | None = None,

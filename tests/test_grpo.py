@@ -7,16 +7,14 @@ continues to max_new_tokens. So the ranks' rollouts finish at different lengths,
 tests/scripts/grpo_probe.py runs engine.grpo.train itself and records logits, shards and rollout lengths.
 """
 import json
-import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 
 import pytest
 
-from conftest import DEEPSPEED, ROOT, ZERO3, env, free_port, read_metrics, run_in_process, write_ds
+from conftest import ROOT, ZERO3, env, read_metrics, run_in_process, run_ranks, write_ds
 
 PROBE = ROOT / "tests" / "scripts" / "grpo_probe.py"
 GRPO = ROOT / "bin" / "grpo.py"
@@ -46,28 +44,10 @@ checkpoint: {at_end: false}
 
 def run_launcher(n_ranks: int, script, *args, cwd, timeout: int = HANG, pythonpath: str | None = None,
                  check: bool = True) -> subprocess.CompletedProcess:
-    """conftest.launch, plus: extra PYTHONPATH entries, and on timeout the launcher and its ranks (its own
-    process group) are killed and the test fails, so a hang never blocks the suite."""
-    cmd = [DEEPSPEED, "--master_port", str(free_port()), "--num_gpus", str(n_ranks), str(script), *map(str, args)]
-    e = env(PYTHONPATH=f"{ROOT}{os.pathsep}{pythonpath}") if pythonpath else env()
-    p = subprocess.Popen(cmd, cwd=cwd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        # SIGINT first: Python unwinds, so a rank inside a JIT op build drops torch's build lock (a lock left by
-        # SIGKILL makes every later DeepSpeed start on this machine wait forever); then SIGKILL what is left.
-        os.killpg(p.pid, signal.SIGINT)
-        try:
-            out, err = p.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            out, err = p.communicate()
-        raise AssertionError(f"hung: {' '.join(cmd)} still running after {timeout} s\n{out[-3000:]}\n{err[-3000:]}")
-    done = subprocess.CompletedProcess(cmd, p.returncode, out, err)
-    if check and p.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\n{out[-4000:]}\n{err[-4000:]}")
-    return done
+    """conftest.run_ranks (2 ranks: the worker's rank pool; 1: this process), with a PYTHONPATH entry for the job;
+    past `timeout` the pool is ended and the test fails, so a hang never blocks the suite."""
+    return run_ranks(n_ranks, script, *args, cwd=cwd, timeout=timeout, path=(pythonpath,) if pythonpath else (),
+                     check=check)
 
 
 def build_pretrained(tmp_path_factory):
@@ -83,8 +63,7 @@ def build_pretrained(tmp_path_factory):
     (tmp / "pretrain.yaml").write_text(PRETRAIN.replace("CORPUS", str(tmp / "corpus.jsonl")))
     run_launcher(1, ROOT / "bin" / "pretrain.py", "--deepspeed_config", ZERO3, "--config", tmp / "pretrain.yaml",
                  "--run_dir", tmp / "run", cwd=tmp)
-    subprocess.run([sys.executable, str(ROOT / "bin" / "zero_to_fp32"), str(tmp / "run"), str(tmp / "hf")],
-                   env=env(), check=True, capture_output=True, timeout=300)
+    run_launcher(1, ROOT / "bin" / "zero_to_fp32", tmp / "run", tmp / "hf", cwd=tmp)
     (tmp / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
     return tmp
 

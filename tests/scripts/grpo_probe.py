@@ -188,9 +188,12 @@ def main() -> None:
 
     grpo.build_reference, grpo.build_rollout = build_reference_recorded, build_rollout_recorded
     grpo.old_logps = old_logps_recorded
-    rows = grpo.train(recipe, ds, tok, prompts, evals, rewards, init, world)
-    grpo.build_reference, grpo.build_rollout, grpo.old_logps = build_reference, build_rollout, old_logps
-    info["decoder_builds"] = Decoder.builds
+    builds = Decoder.builds  # a process-wide count: this process may have run other jobs (tests/scripts/pool.py)
+    try:
+        rows = grpo.train(recipe, ds, tok, prompts, evals, rewards, init, world)
+    finally:
+        grpo.build_reference, grpo.build_rollout, grpo.old_logps = build_reference, build_rollout, old_logps
+    info["decoder_builds"] = Decoder.builds - builds
     if hasattr(seen["rollout"], "decoder"):  # after the last optimizer step: refresh, then compare again
         seen["rollout"].sync_weights(0)
         info["samples_after"] = same_samples(seen["policy"], seen["rollout"], tok, texts)
