@@ -376,7 +376,7 @@ def deepseek_2ranks(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("shared") / "deepseek2"
     tmp.mkdir(parents=True)
     job, run = pretrain_job(tmp, SMALL_DEEPSEEK, 2, fp32_zero3(tmp / "ds.json"))
-    launch(*job, cwd=tmp)
+    run_ranks(*job, cwd=tmp)
     return finished(run)
 
 

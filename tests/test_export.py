@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (ROOT, SMALL_DEEPSEEK, env, finished, fixed_ids, fp32_zero3, launch, launch_together,
-                      pretrain_job, run_in_process)
+from conftest import (ROOT, SMALL_DEEPSEEK, env, finished, fixed_ids, fp32_zero3, launch, pretrain_job, run_in_process,
+                      run_ranks)
 
 sys.path.insert(0, str(ROOT))
 ZERO_TO_FP32 = ROOT / "bin" / "zero_to_fp32"
@@ -44,7 +44,7 @@ def layout(tmp: Path, recipe: str, ranks: int, preset: str, autoep_size="auto") 
 def pretrain(tmp: Path, recipe: str, ranks: int, preset: str, autoep_size="auto") -> list:
     """bin/pretrain.py on `ranks` CPU ranks in fp32 into tmp/run; returns its arguments (without the script)."""
     _, run = layout(tmp, recipe, ranks, preset, autoep_size)
-    launch(ranks, PRETRAIN, *run["common"], cwd=tmp)
+    run_ranks(ranks, PRETRAIN, *run["common"], cwd=tmp)
     return run["common"]
 
 
@@ -55,11 +55,12 @@ def deepseek2(deepseek_2ranks):
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory):
-    """DeepSeek-V3 and Qwen3-MoE on 1 rank: two independent launches, side by side (conftest.launch_together)."""
+    """DeepSeek-V3 and Qwen3-MoE on 1 rank (conftest.run_ranks: in this process)."""
     tmp = tmp_path_factory.mktemp("export")
     (ds_job, ds_run), (qw_job, qw_run) = (layout(tmp / "deepseek1", SMALL_DEEPSEEK, 1, "deepseek_v3"),
                                           layout(tmp / "qwen1", QWEN, 1, "qwen3_moe"))
-    launch_together([ds_job, qw_job], cwd=tmp)
+    run_ranks(*ds_job, cwd=tmp)
+    run_ranks(*qw_job, cwd=tmp)
     return {"deepseek1": finished(ds_run), "qwen1": finished(qw_run)}
 
 
@@ -87,7 +88,7 @@ def qwen2(tmp_path_factory):
     # 2 ranks, expert parallel 2: each rank holds 2 of the 4 experts whole, dense parameters half each.
     tmp = tmp_path_factory.mktemp("export") / "qwen2"
     job, run = layout(tmp, QWEN, 2, "qwen3_moe", autoep_size=2)
-    launch(*job, cwd=tmp)
+    run_ranks(*job, cwd=tmp)
     return finished(run)
 
 

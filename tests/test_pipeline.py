@@ -24,8 +24,8 @@ import sys
 import pytest
 import torch
 
-from conftest import (ROOT, SMALL_DEEPSEEK, env, finished, fixed_ids, launch, pretrain_job, read_metrics,
-                      run_in_process, small_corpus, write_ds)
+from conftest import (ROOT, SMALL_DEEPSEEK, finished, fixed_ids, pretrain_job, read_metrics, run_in_process, run_ranks,
+                      small_corpus, write_ds)
 from test_export import QWEN  # the same Qwen3 model as the ZeRO-3 export tests
 
 sys.path.insert(0, str(ROOT))
@@ -49,7 +49,7 @@ def runs(tmp_path_factory, deepseek_2ranks):
     pipe = write_ds(tmp / "pipe.json", base=PIPE, drop=("bf16",), train_micro_batch_size_per_gpu=2,
                     gradient_accumulation_steps=2)
     job, run = pretrain_job(tmp, RECIPE, 2, pipe, corpus=small_corpus(tmp / "corpus.jsonl"), run_name="pipe")
-    launch(*job, cwd=tmp)
+    run_ranks(*job, cwd=tmp)
     finished(run)
     common = ["--config", tmp / "recipe.yaml", "--data", tmp / "corpus.jsonl"]
     return {"dir": tmp, "pipe_ds": pipe, "common": common, "zero3": deepseek_2ranks["run"],
@@ -86,8 +86,8 @@ def test_resume_continues_like_the_uninterrupted_run(runs, tmp_path):
     (run / "checkpoints" / "latest").write_text("step_00000003")
     rows = read_metrics(run)[:3]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    launch(2, PRETRAIN, "--deepspeed_config", runs["pipe_ds"], "--run_dir", run, "--resume", *runs["common"],
-           cwd=tmp_path)
+    run_ranks(2, PRETRAIN, "--deepspeed_config", runs["pipe_ds"], "--run_dir", run, "--resume", *runs["common"],
+              cwd=tmp_path)
     resumed, straight = read_metrics(run)[3:], read_metrics(runs["dir"] / "pipe")[3:]
     assert [r["step"] for r in resumed] == [4, 5]
     for a, b in zip(resumed, straight):  # CPU: bitwise, as ZeRO-3 resumes (tests/test_resume.py)
@@ -105,13 +105,13 @@ def deepseek_probe(runs):
 def qwen_probe(runs):
     """Qwen3-MoE through the same path (AutoEP's Qwen3 layer also exposes its router as `mlp.gate`)."""
     job, run = pretrain_job(runs["dir"] / "qwen", QWEN, 2, runs["pipe_ds"], corpus=runs["dir"] / "corpus.jsonl")
-    launch(*job, cwd=runs["dir"] / "qwen")
+    run_ranks(*job, cwd=runs["dir"] / "qwen")
     return finished(run)
 
 
 def zero_to_fp32(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "bin" / "zero_to_fp32"), *map(str, args)], env=env(),
-                          capture_output=True, text=True, timeout=300)
+    """`bin/zero_to_fp32 ARGS` (conftest.run_ranks: in this process)."""
+    return run_ranks(1, ROOT / "bin" / "zero_to_fp32", *args, cwd=ROOT, check=False)
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
@@ -232,8 +232,8 @@ def test_bench_accepts_the_pipeline_config(tmp_path):
 
     out = tmp_path / "bench.jsonl"
     recipe = RECIPES / "tiny_qwen3.yaml"
-    p = launch(2, ROOT / "bin" / "bench.py", "--deepspeed_config", PIPE, "--config", recipe, "--steps", "2",
-               "--warmup", "1", "--out", out, cwd=tmp_path)
+    p = run_ranks(2, ROOT / "bin" / "bench.py", "--deepspeed_config", PIPE, "--config", recipe, "--steps", "2",
+                  "--warmup", "1", "--out", out, cwd=tmp_path)
     row = json.loads(out.read_text())
     assert (row["world"], row["stages"], row["ds_config"]) == (2, 2, "pipe.json")
     r = load_recipe(recipe)

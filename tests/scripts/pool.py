@@ -64,6 +64,8 @@ def run_job(spec: dict, out: Path, err: Path) -> int:
             sys.path[:] = path
             os.environ.clear()
             os.environ.update(env)
+            if "transformers.integrations.deepspeed" in sys.modules:  # a probe that builds without main() leaves
+                sys.modules["transformers.integrations.deepspeed"].unset_hf_deepspeed_config()  # zero.Init on
             gc.collect()
     return rc
 
