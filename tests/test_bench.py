@@ -1,16 +1,16 @@
 """bin/bench.py runs unchanged on 2 ranks and counts the same model the same way with and without AutoEP."""
 import json
 
-from conftest import ROOT, ZERO3, launch, launch_together
+from conftest import ROOT, ZERO3, run_ranks
 
 BENCH = ROOT / "bin" / "bench.py"
 
 
 def test_bench_two_ranks_and_baseline_agree_on_model_size(tmp_path):
     out = tmp_path / "bench.jsonl"
-    launch(2, BENCH, "--deepspeed_config", ZERO3, "--steps", "2", "--warmup", "1", "--out", out, cwd=tmp_path)
-    p = launch(1, BENCH, "--deepspeed_config", ZERO3, "--steps", "2", "--warmup", "1", "--out", out,
-               "--no_autoep", cwd=tmp_path)
+    run_ranks(2, BENCH, "--deepspeed_config", ZERO3, "--steps", "2", "--warmup", "1", "--out", out, cwd=tmp_path)
+    p = run_ranks(1, BENCH, "--deepspeed_config", ZERO3, "--steps", "2", "--warmup", "1", "--out", out,
+                  "--no_autoep", cwd=tmp_path)
     auto, plain = [json.loads(line) for line in out.read_text().splitlines()]
     assert (auto["world"], auto["ep"], auto["autoep"]) == (2, 2, True)
     assert (plain["world"], plain["ep"], plain["autoep"]) == (1, 1, False)
@@ -46,12 +46,11 @@ def test_tuned_config_trains_like_the_untuned_one_from_the_same_init(tmp_path):
     # and the two configs' losses agreed within 2e-4 (measured 2026-12-01).
     common = ("--steps", "15", "--warmup", "5", "--set", f"model.init_from={tmp_path / 'init'}",
               "--set", "data.seq_len=32")
-    # Two independent 1-rank runs, side by side (conftest.launch_together), each writing its own row.
-    launch_together([(1, BENCH, "--deepspeed_config", ROOT / "ds_configs" / "zero2.json", "--label", "tuned",
-                      "--micro_batch", "16", "--ds_set", "gradient_accumulation_steps=4",
-                      "--out", tmp_path / "tuned.jsonl", *common),
-                     (1, BENCH, "--deepspeed_config", ZERO3, "--label", "untuned", "--ds_set",
-                      "gradient_accumulation_steps=8", "--out", tmp_path / "untuned.jsonl", *common)], cwd=tmp_path)
+    # Two 1-rank runs (conftest.run_ranks: in this process), each writing its own row.
+    run_ranks(1, BENCH, "--deepspeed_config", ROOT / "ds_configs" / "zero2.json", "--label", "tuned", "--micro_batch",
+              "16", "--ds_set", "gradient_accumulation_steps=4", "--out", tmp_path / "tuned.jsonl", *common, cwd=tmp_path)
+    run_ranks(1, BENCH, "--deepspeed_config", ZERO3, "--label", "untuned", "--ds_set", "gradient_accumulation_steps=8",
+              "--out", tmp_path / "untuned.jsonl", *common, cwd=tmp_path)
     tuned, untuned = [json.loads((tmp_path / f"{k}.jsonl").read_text()) for k in ("tuned", "untuned")]
     assert (tuned["micro"], tuned["accum"], untuned["micro"], untuned["accum"]) == (16, 4, 8, 8)
     assert len(tuned["losses"]) == len(untuned["losses"]) == 20

@@ -281,18 +281,18 @@ def bad_input(tmp_path, case: str, run):
 
 
 def test_metrics_and_overrides_reach_the_run(tmp_path):
-    """--max_steps/--run_dir/--data overrides through the real launcher, on a local parquet file; the DS config's
-    monitor section receives the same metrics."""
+    """--max_steps/--run_dir/--data overrides on a local parquet file (1 rank, conftest.run_ranks: in this process);
+    the DS config's monitor section receives the same metrics."""
     import datasets
 
     rows = [json.loads(line) for line in (ROOT / "engine" / "assets" / "corpus.jsonl").read_text().splitlines()[:2000]]
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "docs.parquet"))
-    from conftest import launch
+    from conftest import run_ranks
 
     ds = write_ds(tmp_path / "ds.json", csv_monitor={"enabled": True, "output_path": str(tmp_path / "csv"),
                                                      "job_name": "job"})
-    launch(1, PRETRAIN, "--deepspeed_config", ds, "--max_steps", "5", "--data", tmp_path / "docs.parquet",
-           "--run_dir", tmp_path / "run", cwd=tmp_path)
+    run_ranks(1, PRETRAIN, "--deepspeed_config", ds, "--max_steps", "5", "--data", tmp_path / "docs.parquet",
+              "--run_dir", tmp_path / "run", cwd=tmp_path)
     m = read_metrics(tmp_path / "run")
     assert m[-1]["step"] == 5 and m[-1]["world_size"] == 1
     # DeepSpeed's monitor (csv here; tensorboard/wandb the same way) gets the rows metrics.jsonl gets
@@ -328,13 +328,14 @@ BIG_MODEL_CONFIGS = ["zero3_offload.json", "zero3_bf16_states.json"]
 
 @pytest.fixture(scope="module")
 def big_model_config_runs(tmp_path_factory) -> dict:
-    """Each config of BIG_MODEL_CONFIGS as shipped, 20 steps of the tiny default on 2 CPU ranks; the two launches
-    side by side (conftest.launch_together)."""
-    from conftest import launch_together
+    """Each config of BIG_MODEL_CONFIGS as shipped, 20 steps of the tiny default on 2 CPU ranks (conftest.run_ranks:
+    the rank pool)."""
+    from conftest import run_ranks
 
     tmp = tmp_path_factory.mktemp("big_model_configs")
-    launch_together([(2, PRETRAIN, "--deepspeed_config", ROOT / "ds_configs" / name, "--max_steps", "20",
-                      "--run_dir", tmp / name / "run") for name in BIG_MODEL_CONFIGS], cwd=tmp)
+    for name in BIG_MODEL_CONFIGS:
+        run_ranks(2, PRETRAIN, "--deepspeed_config", ROOT / "ds_configs" / name, "--max_steps", "20", "--run_dir",
+                  tmp / name / "run", cwd=tmp)
     return {name: tmp / name / "run" for name in BIG_MODEL_CONFIGS}
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, launch, launch_together, write_ds
+from conftest import ROOT, launch, run_ranks, write_ds
 
 PROBE = ROOT / "tests" / "scripts" / "probe.py"
 RECIPE = """
@@ -48,7 +48,10 @@ def probed(tmp, name: str, ranks: int) -> list[dict]:
 
 
 def probe(tmp, name: str, ranks: int, micro: int, recipe: str, *extra) -> list[dict]:
-    launch(*probe_job(tmp, name, ranks, micro, recipe, *extra), cwd=tmp / name)
+    """A training probe (conftest.run_ranks: 2 ranks on the rank pool, 1 in this process); a memory probe
+    (--build_only: peak RSS since the process started) is a launch of its own."""
+    job = probe_job(tmp, name, ranks, micro, recipe, *extra)
+    (launch if "--build_only" in extra else run_ranks)(*job, cwd=tmp / name)
     return probed(tmp, name, ranks)
 
 
@@ -59,12 +62,9 @@ SEEN = {}
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("two_ranks")
     shm_before = shm_buffers()
-    # Same global batch: 1 rank x micro-batch 2 == 2 ranks x micro-batch 1. The 1-rank run and the 1-rank build of
-    # the memory test are independent: side by side (conftest.launch_together; peak RSS is each process's own).
-    launch_together([probe_job(tmp, "one", 1, 2, RECIPE), probe_job(tmp, "one_big", 1, 2, BIG, "--build_only")],
-                    cwd=tmp)
-    one = probed(tmp, "one", 1)
-    SEEN["one_big"] = probed(tmp, "one_big", 1)
+    # Same global batch: 1 rank x micro-batch 2 == 2 ranks x micro-batch 1.
+    one = probe(tmp, "one", 1, 2, RECIPE)
+    SEEN["one_big"] = probe(tmp, "one_big", 1, 2, BIG, "--build_only")  # for the memory test (a launch)
     two = probe(tmp, "two", 2, 1, RECIPE)
     params = {n: torch.load(tmp / n / "out" / "params.pt") for n in ("one", "two")}
     SEEN["shm_left"] = shm_buffers() - shm_before

@@ -17,9 +17,11 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import ctypes  # noqa: E402
-# Freed blocks of 64 KiB or more go back to the OS at once (glibc's M_MMAP_THRESHOLD = -3), so RSS tracks live
-# memory; only the memory probes pay its page faults, not every launch of the suite.
-ctypes.CDLL(None).mallopt(-3, 65536)
+
+if "--build_only" in sys.argv:
+    # Freed blocks of 64 KiB or more go back to the OS at once (glibc's M_MMAP_THRESHOLD = -3), so RSS tracks live
+    # memory; only the memory probes (a fresh process each) pay its page faults, not every run of the suite.
+    ctypes.CDLL(None).mallopt(-3, 65536)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
