@@ -193,7 +193,7 @@ def run_ranks(n_ranks: int, script, *args, cwd: Path, environ: dict | None = Non
     entries) are the job's additions. What only a fresh process shows (start-up, signals, exit codes of the
     processes, peak memory) is tested through `launch` and friends."""
     global _pool
-    environ = dict(environ or {})
+    environ = {k: str(v) for k, v in (environ or {}).items()}
     if n_ranks == 1:
         import importlib.util
 
@@ -343,7 +343,7 @@ def fp32_zero3(path: Path, preset: str = "deepseek_v3", autoep_size="auto", micr
 def pretrain_job(tmp: Path, recipe: str, ranks: int, ds: Path, corpus: Path | None = None,
                  run_name: str = "run") -> tuple[tuple, dict]:
     """A launch of tests/scripts/pretrain_logits.py (bin/pretrain.py + the trained engine's logits) into tmp/run_name,
-    for `launch`/`launch_together`, and the dict its fixture returns once it has run (logits still to be read)."""
+    for `run_ranks`/`launch`, and the dict its fixture returns once it has run (logits still to be read)."""
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "recipe.yaml").write_text(recipe)
     corpus = corpus or small_corpus(tmp / "corpus.jsonl")
@@ -367,7 +367,7 @@ def finished(run: dict) -> dict:
 @pytest.fixture(scope="session")
 def deepseek_2ranks(tmp_path_factory) -> dict:
     """One pretraining run shared by tests/test_export.py (ZeRO-3 + AutoEP export, 2 ranks) and test_pipeline.py (the
-    ZeRO-3 run the pipeline must equal): SMALL_DEEPSEEK (5 steps, log every step) through the real launcher on 2 CPU
+    ZeRO-3 run the pipeline must equal): SMALL_DEEPSEEK (5 steps, log every step) on the rank pool's 2 CPU
     ranks, fp32 ZeRO-3, AutoEP size 2, micro-batch 2, the first 200 corpus documents, `fp32_zero3`'s DS config.
     Returns {"dir", "run" (RUN_DIR: metrics.jsonl, checkpoints/step_00000003 and step_00000005, latest = step 5),
     "ranks": 2, "common" (the pretrain arguments), "ds" (the DS config path), "logits" (the trained engine's logits

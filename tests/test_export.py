@@ -1,9 +1,9 @@
-"""bin/zero_to_fp32: real checkpoints (the real launcher, 1, 2 and 4 CPU ranks, ZeRO-3 + AutoEP) exported to
+"""bin/zero_to_fp32: real checkpoints (1, 2 and 4 CPU ranks, ZeRO-3 + AutoEP) exported to
 Hugging Face format give the engine's logits; bad input gets one line, exit 2, and leaves the output alone.
 
-The runs: tests/scripts/pretrain_logits.py (bin/pretrain.py, then the trained engine's logits for fixed ids) in one
-launch per layout; the 2-rank DeepSeek-V3 run is conftest's session fixture deepseek_2ranks, shared with
-tests/test_pipeline.py. bin/zero_to_fp32 runs in this process (engine.export.main, conftest.run_in_process) except in
+The runs: tests/scripts/pretrain_logits.py (bin/pretrain.py, then the trained engine's logits for fixed ids), one
+job per layout (conftest.run_ranks: 2 ranks on the rank pool, 1 in this process, 4 a launch of its own); the 2-rank
+DeepSeek-V3 run is conftest's session fixture deepseek_2ranks, shared with tests/test_pipeline.py. bin/zero_to_fp32 runs in this process (engine.export.main, conftest.run_in_process) except in
 test_missing_checkpoint_dir (a fresh process: only the one line on stderr) and the memory test.
 """
 from __future__ import annotations

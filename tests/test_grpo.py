@@ -1,4 +1,5 @@
-"""GRPO on CPU ranks through the real launcher: the reference engine, the rollout kinds, bad input, bad rewards.
+"""GRPO on CPU ranks (conftest.run_ranks: 2 ranks on the rank pool, 1 in this process): the reference engine, the
+rollout kinds, bad input, bad rewards.
 
 One tiny DeepSeek-V3 MoE is pretrained once (module fixture) on arithmetic one-liners ("Q: 20 + 36 = ? A: 56",
 each its own document, so EOS follows the answer) and longer stories. GRPO then runs on two prompts, one per
@@ -253,8 +254,7 @@ TINY = (ROOT / "engine" / "recipes" / "grpo_tiny.yaml").read_text()
 def test_bad_input_is_one_clear_line_before_any_work(tmp_path, case, expect, capfd, monkeypatch):
     """engine.grpo.main (what bin/grpo.py runs) in this process, as rank 0 of 1 from the repo root: exit 2, one line
     on stderr, nothing written. What a fresh process prints besides (import-time warnings, datasets' progress bar)
-    is checked through `python bin/grpo.py` by test_prompts_load_without_a_progress_bar and
-    test_pipeline_config_is_refused_before_any_work."""
+    is checked through `python bin/grpo.py` by test_prompts_load_without_a_progress_bar."""
     args, recipe = [], None
     if case == "prompt_too_long":
         rows = [PROMPTS[0], {"prompt": "Gus went to the harbor with 9 pens. " * 60, "answer": "9"}]
@@ -443,12 +443,13 @@ def test_resumed_grpo_equals_an_uninterrupted_run(pretrained, curriculum):
         assert [r["curriculum_unseen"] for r in straight] == [1.0, 0.5, 0.5, 0.5]
 
 
-def test_pipeline_config_is_refused_before_any_work(tmp_path):
-    """GRPO needs the ZeRO engine (rollout copies, reference shards): pipe.json gets one line and exit 2."""
-    cmd = [sys.executable, str(GRPO), "--deepspeed_config", str(ROOT / "ds_configs" / "pipe.json"),
-           "--run_dir", str(tmp_path / "run")]
-    p = subprocess.run(cmd, cwd=ROOT, env=env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_SIZE="2"),
-                       capture_output=True, text=True, timeout=120)
+def test_pipeline_config_is_refused_before_any_work(tmp_path, capfd, monkeypatch):
+    """GRPO needs the ZeRO engine (rollout copies, reference shards): pipe.json gets one line and exit 2 (engine.grpo.main
+    in this process as rank 0 of 2; a fresh process's output: test_prompts_load_without_a_progress_bar)."""
+    from engine.grpo import main
+
+    p = run_in_process(main, ["--deepspeed_config", ROOT / "ds_configs" / "pipe.json", "--run_dir", tmp_path / "run"],
+                       capfd, monkeypatch, cwd=ROOT, RANK=0, LOCAL_RANK=0, WORLD_SIZE=2, LOCAL_SIZE=2)
     assert p.returncode == 2, p.stdout + p.stderr
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "GRPO runs on ZeRO configs" in errors[0], p.stderr

@@ -1,4 +1,4 @@
-"""Pipeline-parallel mode (ds_configs/pipe.json, issue 6) on 2 CPU ranks through the real launcher, 2 stages.
+"""Pipeline-parallel mode (ds_configs/pipe.json, issue 6) on 2 CPU ranks (conftest.run_ranks: the rank pool), 2 stages.
 
 - the same model, seed and global batch give the ZeRO-3 path's losses (and expert loads) over 5 steps;
 - each rank holds only its stage's layers;
@@ -11,7 +11,7 @@ fp32 (the shipped bf16 dropped), so differences are summation order only. Measur
 bitwise equal to ZeRO-3's (ZeRO-3 with expert parallel 2, the pipeline with expert parallel 1 per stage),
 exported logits within 1e-6 of the engine's.
 
-The runs: the pipeline's launch is tests/scripts/pretrain_logits.py (bin/pretrain.py, then the trained pipeline
+The runs: the pipeline's job is tests/scripts/pretrain_logits.py (bin/pretrain.py, then the trained pipeline
 engine's logits); the ZeRO-3 run it must equal is conftest's deepseek_2ranks, shared with tests/test_export.py.
 """
 from __future__ import annotations

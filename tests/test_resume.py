@@ -13,12 +13,13 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
 import torch
 
-from conftest import DEEPSPEED, ROOT, env, free_port, read_metrics, run_in_process, write_ds
+from conftest import DEEPSPEED, ROOT, env, free_port, read_metrics, run_in_process, run_ranks, write_ds
 
 HOOKS = ROOT / "tests" / "scripts" / "pretrain_hooks.py"
 PRETRAIN = ROOT / "bin" / "pretrain.py"
@@ -61,21 +62,25 @@ def start(base: Path, run: str, ranks: int = 2, *args, **hooks) -> subprocess.Po
     return p
 
 
+def run_to_end(base: Path, run_name: str, ranks: int = 2, *args, **hooks) -> SimpleNamespace:
+    """start()'s run for one that is not killed or signalled (conftest.run_ranks: 2 ranks on the rank pool, 1 in this
+    process), once it has ended: returncode, log (RUN.i.log: its stdout and stderr) and hook_out, as start() names
+    them."""
+    i = len(list(base.glob(f"{run_name}.*.log")))
+    hooks.setdefault("HOOK_OUT", base / run_name / f"hook{i}")
+    p = run_ranks(ranks, HOOKS, "--deepspeed_config", base / f"ds{ranks}.json", "--config", base / "recipe.yaml",
+                  "--run_dir", base / run_name, *args, cwd=base, environ=hooks, timeout=300, check=False)
+    log = base / f"{run_name}.{i}.log"
+    log.write_text(p.stdout + p.stderr)
+    return SimpleNamespace(returncode=p.returncode, log=log, hook_out=Path(hooks["HOOK_OUT"]))
+
+
 def finish(p: subprocess.Popen, timeout: int = 300) -> int:
     try:
         return p.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         raise AssertionError(f"timed out\n{p.log.read_text()[-4000:]}") from None
-
-
-def wait_until(p: subprocess.Popen, ready, timeout: int = 300) -> None:
-    end = time.time() + timeout
-    while not ready():
-        if p.poll() is not None or time.time() > end:
-            os.killpg(p.pid, signal.SIGKILL)
-            raise AssertionError(f"run ended (rc {p.returncode}) or timed out first\n{p.log.read_text()[-4000:]}")
-        time.sleep(0.05)
 
 
 def latest(run: Path) -> str | None:
@@ -100,8 +105,8 @@ def tree_digest(folder: Path) -> dict:
 @pytest.fixture(scope="module")
 def reference(base) -> dict[int, dict]:
     """An uninterrupted 2-rank run: step -> its metrics row."""
-    p = start(base, "ref")
-    assert finish(p) == 0, p.log.read_text()[-4000:]
+    p = run_to_end(base, "ref")
+    assert p.returncode == 0, p.log.read_text()[-4000:]
     rows = read_metrics(base / "ref")
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     return {r["step"]: r for r in rows}
@@ -109,24 +114,21 @@ def reference(base) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def crashes(base) -> dict:
-    """kill -9 mid-run after step 4's checkpoint; resume and die (SIGKILL to every process) inside step 6's save,
-    after DeepSpeed wrote its files and before `latest` moved; resume again to the end."""
+    """kill -9 mid-run after step 4's checkpoint, inside step 6's save: SIGKILL to every process (the launcher and
+    both ranks) after DeepSpeed wrote its files and before `latest` moved; then resume to the end. (Until session
+    10 these were two crashes of one run, an external kill -9 after step 4's checkpoint and then, resumed, the kill
+    in step 6's save: one launch less, and the kill is still mid-run, after step 4's checkpoint.)"""
     run, seen = base / "crash", {}
-    p = start(base, "crash", HOOK_STEP_SLEEP=0.5)
-    wait_until(p, lambda: latest(run) == tag(4))
-    os.killpg(p.pid, signal.SIGKILL)  # the launcher and both ranks, mid-run
-    assert p.wait() == -signal.SIGKILL
+    p = start(base, "crash", HOOK_DIE_IN_SAVE=6)
+    assert finish(p) == -signal.SIGKILL, p.log.read_text()[-4000:]
     seen["killed_at"] = max(r["step"] for r in read_metrics(run))
     ds_file = torch.load(run / "checkpoints" / tag(4) / "zero_pp_rank_1_mp_rank_00_model_states.pt", weights_only=False)
     seen["bias_in_ds_file"] = {n: t.tolist() for n, t in ds_file["module"].items() if n.endswith("correction_bias")}
-
-    p = start(base, "crash", 2, "--resume", HOOK_DIE_IN_SAVE=6)
-    assert finish(p) == -signal.SIGKILL, p.log.read_text()[-4000:]
     seen["after_save_crash"] = {"latest": latest(run), "step6": sorted(f.name for f in (run / "checkpoints" / tag(6))
                                                                        .iterdir())}
 
-    p = start(base, "crash", 2, "--resume")
-    assert finish(p) == 0, p.log.read_text()[-4000:]
+    p = run_to_end(base, "crash", 2, "--resume")
+    assert p.returncode == 0, p.log.read_text()[-4000:]
     seen["final"] = [hook(p, r) for r in (0, 1)]
     return seen
 
@@ -135,7 +137,7 @@ def test_resume_after_kill9_is_bitwise_equal_to_an_uninterrupted_run(base, refer
     rows = read_metrics(base / "crash")
     assert 4 <= crashes["killed_at"] < STEPS  # killed mid-run, after step 4's checkpoint
     assert crashes["final"][0]["resumed"] == {"step": 4, "position": 4, "tokens": 4 * 2 * 32}
-    # Every row ever logged (the killed run, the run that died in a save, the final one) equals the uninterrupted
+    # Every row ever logged (the run killed in a save, the resumed one) equals the uninterrupted
     # run's row at that step: loss (RNG, data position, parameters, optimizer, routing biases), lr (scheduler).
     assert {r["step"] for r in rows} == set(range(1, STEPS + 1))
     assert [r["step"] for r in rows[-4:]] == [5, 6, 7, 8]
@@ -240,8 +242,8 @@ def test_resume_on_one_rank_from_a_two_rank_checkpoint(base, reference, stopped)
     """--resume on another world size converts `latest` to DeepSpeed's universal format and loads it: 1 rank x
     micro-batch 2 continues the 2-rank x micro-batch 1 run (the same global batches) where it stopped."""
     k = stopped["rows"][-1]["step"]
-    p = start(base, "stop", 1, "--resume")
-    assert finish(p) == 0, p.log.read_text()[-4000:]
+    p = run_to_end(base, "stop", 1, "--resume")
+    assert p.returncode == 0, p.log.read_text()[-4000:]
     info = hook(p, 0)
     # k micro-batches of 1 x 2 ranks = k micro-batches of 2 x 1 rank
     assert info["resumed"] == {"step": k, "position": k, "tokens": k * 2 * 32}

@@ -1,4 +1,4 @@
-"""2 CPU ranks through the real launcher against 1 rank: ZeRO-3 partitions, expert-parallel slices,
+"""2 CPU ranks against 1 rank: ZeRO-3 partitions, expert-parallel slices,
 peak memory while building, disjoint data, and equal parameters after training on the same global batch.
 """
 import hashlib
@@ -29,7 +29,7 @@ data: {seq_len: 32}
 
 
 def probe_job(tmp, name: str, ranks: int, micro: int, recipe: str, *extra) -> tuple:
-    """The launch of tests/scripts/probe.py for `name` (for conftest.launch / launch_together)."""
+    """The job of tests/scripts/probe.py for `name` (for conftest.run_ranks / launch)."""
     d = tmp / name
     d.mkdir()
     (d / "recipe.yaml").write_text(recipe)

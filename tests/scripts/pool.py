@@ -23,6 +23,27 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 
+_GROUPS: dict | None = None  # deepspeed.utils.groups' module state before the first job
+
+
+def reset_deepspeed_groups() -> None:
+    """Put DeepSpeed's process-group registry (deepspeed.utils.groups) back as it was before the first job. An engine
+    leaves its groups there for the next one: a pipeline engine's model-parallel unit (`mpu`) made the next ZeRO-3
+    engine take its model-parallel size, and expert groups are cached by size alone, whatever ranks they hold."""
+    import types
+
+    from deepspeed.utils import groups
+
+    global _GROUPS
+    state = {k: v for k, v in vars(groups).items() if not k.startswith("__") and not callable(v)
+             and not isinstance(v, types.ModuleType)}
+    if _GROUPS is None:
+        _GROUPS = {k: (v.copy() if isinstance(v, dict) else v) for k, v in state.items()}
+    for k in state:
+        if k in _GROUPS:
+            setattr(groups, k, _GROUPS[k].copy() if isinstance(_GROUPS[k], dict) else _GROUPS[k])
+
+
 def run_job(spec: dict, out: Path, err: Path) -> int:
     """Run spec = {"script", "argv", "env", "path", "cwd"} in this process as `python script argv` would; returns its
     exit code. Everything it changes in the process (environment, sys.path, argv, working directory, streams) is
@@ -40,6 +61,7 @@ def run_job(spec: dict, out: Path, err: Path) -> int:
         s.flush()
     saved_fds = os.dup(1), os.dup(2)
     rc = 0
+    reset_deepspeed_groups()
     with open(out, "w") as o, open(err, "w") as e:
         os.dup2(o.fileno(), 1), os.dup2(e.fileno(), 2)
         sys.stdout, sys.stderr = os.fdopen(os.dup(1), "w", buffering=1), os.fdopen(os.dup(2), "w", buffering=1)
@@ -64,6 +86,7 @@ def run_job(spec: dict, out: Path, err: Path) -> int:
             sys.path[:] = path
             os.environ.clear()
             os.environ.update(env)
+            reset_deepspeed_groups()
             if "transformers.integrations.deepspeed" in sys.modules:  # a probe that builds without main() leaves
                 sys.modules["transformers.integrations.deepspeed"].unset_hf_deepspeed_config()  # zero.Init on
             gc.collect()
