@@ -37,6 +37,27 @@ def pytest_configure(config):
         os.environ["MOE_ENGINE_CACHE"] = config._moe_cache = tempfile.mkdtemp(prefix="moe-engine-cache-")
     if "PYTEST_XDIST_WORKER" not in os.environ:
         config._op_build = start_cpu_adam_build()
+        compile_imports()
+
+
+RANK_IMPORTS = ("import torch, deepspeed, datasets, torch._inductor.compile_fx\n"
+                "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+                "import transformers.models.deepseek_v3.modeling_deepseek_v3, transformers.models.qwen3_moe.modeling_qwen3_moe\n"
+                "import engine.pretrain, engine.grpo, engine.export")
+
+
+def compile_imports() -> None:
+    """After an install without byte-compiling (the test command's `pip install --no-compile`), import what a rank
+    imports once, in one process, before any test starts: that process writes the .pyc files. Otherwise the first
+    few processes of the run (both test workers, the first launches' runners, launchers and ranks, side by side)
+    each compile the same modules themselves (~15 CPU-s each on a 2-core machine). Skipped once torch's own .pyc
+    exists, or when PYTHONDONTWRITEBYTECODE forbids writing them."""
+    import importlib.util
+
+    torch_init = importlib.util.find_spec("torch").origin
+    if os.environ.get("PYTHONDONTWRITEBYTECODE") or os.path.exists(importlib.util.cache_from_source(torch_init)):
+        return
+    subprocess.run([sys.executable, "-c", RANK_IMPORTS], cwd=ROOT, env=env(), capture_output=True, timeout=600)
 
 
 def start_cpu_adam_build() -> subprocess.Popen:
