@@ -204,43 +204,42 @@ class RankPool:
 
 
 _pool: RankPool | None = None
+_jobs = None  # tests/scripts/pool.py, loaded once: run_job for 1-rank jobs in this process (its group snapshot too)
 
 
 def run_ranks(n_ranks: int, script, *args, cwd: Path, environ: dict | None = None, path: tuple = (),
               timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
     """`deepspeed --num_gpus n_ranks script args` for a test that checks what the run computes and writes, not how
     processes start and end: 2 ranks run it on this worker's RankPool, 1 rank in this process (a world of one, as
-    `python script args` without a launcher), any other count as a real launch. `environ` and `path` (PYTHONPATH
-    entries) are the job's additions. What only a fresh process shows (start-up, signals, exit codes of the
-    processes, peak memory) is tested through `launch` and friends."""
-    global _pool
+    `python script args` without a launcher), any other count as a real launch (`launch`: no `environ` or `path`).
+    `environ` and `path` (PYTHONPATH entries) are the job's additions. What only a fresh process shows (start-up,
+    signals, exit codes of the processes, peak memory) is tested through `launch` and friends."""
+    global _pool, _jobs
     environ = {k: str(v) for k, v in (environ or {}).items()}
+    if n_ranks not in (1, 2):
+        if environ or path:
+            raise ValueError("run_ranks: environ and path are for pool and in-process jobs (1 or 2 ranks)")
+        return launch(n_ranks, script, *args, cwd=cwd, timeout=int(timeout), check=check)
     if n_ranks == 1:
-        import importlib.util
+        if _jobs is None:
+            import importlib.util
 
-        loader = importlib.util.spec_from_file_location("moe_test_pool", POOL)
-        module = importlib.util.module_from_spec(loader)
-        loader.loader.exec_module(module)
+            loader = importlib.util.spec_from_file_location("moe_test_pool", POOL)
+            _jobs = importlib.util.module_from_spec(loader)
+            loader.loader.exec_module(_jobs)
         out = Path(tempfile.mkdtemp(prefix="moe-engine-job-"))
         environ = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                    "MASTER_PORT": str(free_port()), **environ}
         spec = {"script": str(script), "argv": [str(a) for a in args], "cwd": str(cwd), "env": environ,
                 "path": [str(p) for p in path]}
-        rc = module.run_job(spec, out / "out", out / "err")
+        rc = _jobs.run_job(spec, out / "out", out / "err")
         p = subprocess.CompletedProcess(["<this process>", str(script), *spec["argv"]], rc,
                                         (out / "out").read_text(), (out / "err").read_text())
         shutil.rmtree(out, ignore_errors=True)
-    elif n_ranks == 2:
+    else:
         if _pool is None or _pool.proc.poll() is not None:
             _pool = RankPool(2)
         p = _pool.run(script, list(args), cwd, environ, list(path), timeout)
-    else:
-        e = env(**environ)
-        if path:
-            e["PYTHONPATH"] = os.pathsep.join([*map(str, path), e["PYTHONPATH"]])
-        cmd = [DEEPSPEED, "--master_port", str(free_port()), "--num_gpus", str(n_ranks), str(script), *map(str, args)]
-        r = subprocess.run(cmd, cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
-        p = subprocess.CompletedProcess(cmd, r.returncode, r.stdout, r.stderr)
     if check and p.returncode != 0:
         raise AssertionError(f"{' '.join(p.args)} exited {p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}")
     return p

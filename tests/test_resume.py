@@ -53,13 +53,17 @@ def start(base: Path, run: str, ranks: int = 2, *args, **hooks) -> subprocess.Po
     i = len(list(base.glob(f"{run}.*.log")))
     hooks.setdefault("HOOK_OUT", base / run / f"hook{i}")
     log = open(base / f"{run}.{i}.log", "w")
-    cmd = [DEEPSPEED, "--master_port", str(free_port()), "--num_gpus", str(ranks), str(HOOKS),
-           "--deepspeed_config", base / f"ds{ranks}.json", "--config", base / "recipe.yaml", "--run_dir", base / run,
-           *args]
+    cmd = [DEEPSPEED, "--master_port", str(free_port()), "--num_gpus", str(ranks), *hooks_argv(base, run, ranks, *args)]
     p = subprocess.Popen(list(map(str, cmd)), cwd=base, env=env(**{k: str(v) for k, v in hooks.items()}),
                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     p.log, p.hook_out = Path(log.name), Path(hooks["HOOK_OUT"])
     return p
+
+
+def hooks_argv(base: Path, run: str, ranks: int, *args) -> list:
+    """tests/scripts/pretrain_hooks.py and its arguments for a run of `ranks` ranks into base/run."""
+    return [HOOKS, "--deepspeed_config", base / f"ds{ranks}.json", "--config", base / "recipe.yaml",
+            "--run_dir", base / run, *args]
 
 
 def run_to_end(base: Path, run_name: str, ranks: int = 2, *args, **hooks) -> SimpleNamespace:
@@ -68,8 +72,7 @@ def run_to_end(base: Path, run_name: str, ranks: int = 2, *args, **hooks) -> Sim
     them."""
     i = len(list(base.glob(f"{run_name}.*.log")))
     hooks.setdefault("HOOK_OUT", base / run_name / f"hook{i}")
-    p = run_ranks(ranks, HOOKS, "--deepspeed_config", base / f"ds{ranks}.json", "--config", base / "recipe.yaml",
-                  "--run_dir", base / run_name, *args, cwd=base, environ=hooks, timeout=300, check=False)
+    p = run_ranks(ranks, *hooks_argv(base, run_name, ranks, *args), cwd=base, environ=hooks, timeout=300, check=False)
     log = base / f"{run_name}.{i}.log"
     log.write_text(p.stdout + p.stderr)
     return SimpleNamespace(returncode=p.returncode, log=log, hook_out=Path(hooks["HOOK_OUT"]))
