@@ -45,8 +45,9 @@ checkpoint: {at_end: false}
 
 def run_launcher(n_ranks: int, script, *args, cwd, timeout: int = HANG, pythonpath: str | None = None,
                  check: bool = True) -> subprocess.CompletedProcess:
-    """conftest.run_ranks (2 ranks: the worker's rank pool; 1: this process), with a PYTHONPATH entry for the job;
-    past `timeout` the pool is ended and the test fails, so a hang never blocks the suite."""
+    """conftest.run_ranks (2 ranks: the worker's rank pool; 1: this process), with a PYTHONPATH entry for the job.
+    A 2-rank job past `timeout` ends the pool and fails the test, so a hang there never blocks the suite; a 1-rank
+    job in this process has no timeout of its own."""
     return run_ranks(n_ranks, script, *args, cwd=cwd, timeout=timeout, path=(pythonpath,) if pythonpath else (),
                      check=check)
 
