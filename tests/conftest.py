@@ -64,8 +64,8 @@ def start_cpu_adam_build() -> subprocess.Popen:
     """Build DeepSpeed's CPU Adam op (DeepSpeedCPUAdam: zero3_offload.json's optimizer) in the background, from the
     start of the run, while the tests run.
 
-    It is JIT-compiled into ~/.cache/torch_extensions on first use (~110 CPU-s on a 2-core machine; a no-op once
-    built). Started here, it is done long before the offload test's launch, whose ranks would otherwise compile it
+    It is JIT-compiled into TEST_OPS on first use (two source files, ~50 CPU-s each without debug info, see env;
+    ~76 each with it, as DeepSpeed builds it; a no-op once built). Started here, it is done long before the offload test's launch, whose ranks would otherwise compile it
     inside their timeout; a rank that asks for it while it is still building waits on torch's build lock. The configs
     without offload run torch's AdamW on CPU ranks (engine/ds_config.py: resolve_optimizer), so FusedAdam is not built;
     the shared-memory all-reduce is skipped too (engine/parallel.py: skip_cpu_shm_op).
@@ -97,8 +97,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+NODEBUG_CXX = ROOT / "tests" / "scripts" / "nodebug" / "c++"
+# Where the processes the tests start JIT-build C++ ops (DeepSpeed's CPU Adam): apart from ~/.cache/torch_extensions,
+# so that a build without debug info (NODEBUG_CXX) and a user's own build never replace each other.
+TEST_OPS = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moe-engine-test-ops"
+
+
 def env(**extra) -> dict:
-    e = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    """The environment of every process the tests start: the checkout on PYTHONPATH, one thread per process, and
+    JIT-built ops compiled without debug info (CXX=NODEBUG_CXX around the real compiler) into TEST_OPS."""
+    real_cxx = os.environ.get("MOE_TEST_CXX") or os.environ.get("CXX") or "c++"
+    e = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+             CXX=str(NODEBUG_CXX), MOE_TEST_CXX="c++" if real_cxx == str(NODEBUG_CXX) else real_cxx,
+             TORCH_EXTENSIONS_DIR=str(TEST_OPS))
     e.update(extra)
     return e
 
