@@ -65,8 +65,8 @@ def start_cpu_adam_build() -> subprocess.Popen:
     start of the run, while the tests run.
 
     It is JIT-compiled into TEST_OPS on first use (two source files, ~50 CPU-s each without debug info, see env;
-    ~76 each with it, as DeepSpeed builds it; a no-op once built). Started here, it is done long before the offload test's launch, whose ranks would otherwise compile it
-    inside their timeout; a rank that asks for it while it is still building waits on torch's build lock. The configs
+    ~76 each with it, as DeepSpeed builds it; a no-op once built). Started here, it is done long before the offload
+    test's launch, whose ranks would otherwise compile it inside their timeout; a rank that asks for it while it is still building waits on torch's build lock. The configs
     without offload run torch's AdamW on CPU ranks (engine/ds_config.py: resolve_optimizer), so FusedAdam is not built;
     the shared-memory all-reduce is skipped too (engine/parallel.py: skip_cpu_shm_op).
     """
