@@ -372,6 +372,14 @@ def validate(r: Recipe) -> list[str]:
         p.append(f"grpo.group_size ({g.group_size}) must be >= 2: advantages compare completions within a group")
     if g.max_new_tokens < 1 or g.iterations < 1 or g.eval_every < 1:
         p.append("grpo.max_new_tokens, grpo.iterations and grpo.eval_every must be >= 1")
+    if g.temperature <= 0:
+        p.append(f"grpo.temperature ({g.temperature}) must be > 0: rollouts sample from softmax(logits / temperature) "
+                 + ("(a negative one favours the least likely tokens)" if g.temperature < 0 else
+                    "(at 0 every completion of a group is the same, so every advantage is 0 and nothing is learned; "
+                    "held-out evaluation is greedy already)") + "; 1.0 samples the model as it is")
+    if not 0 < g.top_p <= 1:
+        p.append(f"grpo.top_p ({g.top_p}) must be in (0, 1]: the probability mass of the nucleus sampled from "
+                 "(1.0: the whole distribution)")
     if g.max_generated_tokens is not None and g.max_generated_tokens < 1:
         p.append(f"grpo.max_generated_tokens ({g.max_generated_tokens}) must be >= 1 (or null: stop at "
                  "train.max_steps only)")

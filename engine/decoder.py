@@ -169,13 +169,8 @@ def policy_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]
     import deepspeed
 
     names = AUTOEP_NAMES[module.config.model_type]
-    moe = {name: m for name, m in module.named_modules() if getattr(m, "_is_autoep_layer", False)}
-    for name, b in module.named_buffers():
-        path = next((p for p in moe if name.startswith(p + ".")), None)
-        if path is None:
-            yield name, b
-        elif not name.endswith("tokens_per_expert"):
-            yield _rename_autoep(path, name[len(path) + 1:], names), b
+    moe = _autoep_layers(module)
+    yield from policy_buffers(module)
     for params in _param_groups(module):
         with deepspeed.zero.GatheredParameters([p for _, p in params]):  # no-op for unpartitioned parameters
             experts = {}
@@ -194,6 +189,22 @@ def policy_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]
                 gate, up = _all_experts(layer, w["w1"]), _all_experts(layer, w["w3"])
                 yield f"{path}.experts.gate_up_proj", torch.cat([gate, up], dim=1)  # (E, 2F, H)
                 yield f"{path}.experts.down_proj", _all_experts(layer, w["w2"])  # (E, H, F)
+
+
+def _autoep_layers(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    return {name: m for name, m in module.named_modules() if getattr(m, "_is_autoep_layer", False)}
+
+
+def policy_buffers(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's buffers under Hugging Face names (AutoEP's expert counters left out); no collectives."""
+    names = AUTOEP_NAMES[module.config.model_type]
+    moe = _autoep_layers(module)
+    for name, b in module.named_buffers():
+        path = next((p for p in moe if name.startswith(p + ".")), None)
+        if path is None:
+            yield name, b
+        elif not name.endswith("tokens_per_expert"):
+            yield _rename_autoep(path, name[len(path) + 1:], names), b
 
 
 def _param_groups(module: torch.nn.Module) -> Iterator[list[tuple[str, torch.nn.Parameter]]]:
@@ -219,6 +230,13 @@ def empty_copy(module: torch.nn.Module, device, decode_experts: str = "auto") ->
     finally:
         torch.set_default_dtype(default)
     model.to_empty(device=device)
+    # Buffers in the policy's dtypes, not the build's: DeepSeek-V3's routing bias is kept in fp32 (transformers'
+    # _keep_in_fp32_modules_strict, and train.balance_rate), and rounded to bf16 it would pick other experts.
+    own = dict(model.named_buffers())
+    for name, b in policy_buffers(module):
+        if name in own and own[name].dtype != b.dtype:
+            owner, _, leaf = name.rpartition(".")
+            model.get_submodule(owner)._buffers[leaf] = torch.empty_like(own[name], dtype=b.dtype)
     model.eval()
     model.set_experts_implementation(experts_for_decode(resolve_decode_experts(decode_experts, device)))
     return model
@@ -308,6 +326,10 @@ class Decoder:
         decode_experts = resolve_decode_experts(decode_experts, device)
 
         model = empty_copy(module, device, decode_experts)
+        if model.config._attn_implementation == "flex_attention":
+            # Decoding reads a static cache through an (N, cache_len) padding mask, which flex attention would turn
+            # into a BlockMask (rebuilt per step, and not a mask absorbed MLA can apply): sdpa, the same math.
+            model.set_attn_implementation("sdpa")
         fused = fuse_for_decode(model, dense_experts=decode_experts == "dense")
         config = model.config
         for m in model.modules():

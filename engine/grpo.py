@@ -165,6 +165,13 @@ def preflight(args, world: World):
         problems.append(str(e))
         rewards = None
     tok = load_tokenizer(recipe.data.tokenizer)
+    if tok.pad_token_id is None and tok.eos_token_id is None:
+        problems.append(f"data.tokenizer {recipe.data.tokenizer}: has neither a pad nor an EOS token; GRPO pads "
+                        "prompts and ends completions with them: add an EOS token to the tokenizer")
+    elif tok.pad_token_id is None:  # prompt padding is masked out and completions end at the first EOS anyway
+        print0(f"note: data.tokenizer {recipe.data.tokenizer} has no pad token; padding with its EOS token "
+               f"{tok.eos_token!r}")
+        tok.pad_token = tok.eos_token
     prompts = load_prompts(recipe.data.path)
     evals = load_prompts(g.eval_path, "grpo.eval_path") if g.eval_path else []
     init = resolve_init(args.init_from, recipe)
@@ -208,11 +215,14 @@ def left_pad(texts: list[str], tok, device) -> RolloutRequest:
     return RolloutRequest(ids.to(device), attn.to(device))
 
 
-def forward_logps(engine, ids, attn, with_entropy: bool = False):
-    """Per-token log-probs of ids[:, 1:] under `engine` (with grad when enabled), and their entropy (no grad).
-    Positions follow the left padding. One micro-batch's logits are upcast to fp32, nothing more."""
+def forward_logps(engine, ids, attn, temperature: float, with_entropy: bool = False):
+    """Per-token log-probs of ids[:, 1:] under `engine`'s logits / temperature (the distribution the rollout sampled
+    from; with grad when enabled), and their entropy (no grad). Positions follow the left padding. One
+    micro-batch's logits are upcast to fp32, nothing more."""
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     logits = engine(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits[:, :-1].float()  # (N, T-1, V)
+    if temperature != 1.0:
+        logits = logits / temperature
     logp = token_logprobs(logits, ids[:, 1:])  # (N, T-1)
     if not with_entropy:
         return logp, None
@@ -348,28 +358,41 @@ def score(run: Run, rows: list[dict], r: Rollouts, step: int):
 
 
 @torch.no_grad()
-def batched_logps(engine, r: Rollouts, micro: int) -> torch.Tensor:
-    """(N, T-1) log-probs under `engine`, micro-batch by micro-batch, no grad."""
-    return torch.cat([forward_logps(engine, r.ids[i:i + micro], r.attn[i:i + micro])[0]
+def batched_logps(engine, r: Rollouts, micro: int, temperature: float) -> torch.Tensor:
+    """(N, T-1) log-probs under `engine` at the sampling temperature, micro-batch by micro-batch, no grad."""
+    return torch.cat([forward_logps(engine, r.ids[i:i + micro], r.attn[i:i + micro], temperature)[0]
                       for i in range(0, len(r.ids), micro)])
 
 
 def old_logps(run: Run, r: Rollouts) -> torch.Tensor | None:
     """The rollout policy's log-probs, for the ratio. With one optimizer step per rollout batch the policy at
     each micro-batch's forward *is* the rollout policy, so its own detached log-probs serve (None here)."""
-    return batched_logps(run.policy, r, run.micro) if run.g.iterations > 1 else None
+    return batched_logps(run.policy, r, run.micro, run.g.temperature) if run.g.iterations > 1 else None
 
 
-def policy_update(run: Run, r: Rollouts, adv, old, refl, timer: "Timer") -> dict[str, float]:
-    """`iterations` passes over the batch on the clipped surrogate (+ KL); returns the summed loss stats."""
+def response_tokens(r: Rollouts) -> float:
+    """Response tokens that count in the loss, summed over ranks (dynamic sampling zeroes flat groups' tokens)."""
     count = r.resp_mask.sum().float()
     dist.all_reduce(count)
-    normalizer = count.item() / (run.world.size * (run.n_seq // run.micro))  # dapo: global token mean
+    return count.item()
+
+
+def skip_update(run: Run) -> None:
+    """No optimizer step for this GRPO step (nothing to learn from on any rank); the LR schedule still advances
+    by the step's `iterations` optimizer steps, so it stays a function of the GRPO step."""
+    for _ in range(run.g.iterations):
+        run.policy.lr_scheduler.step()
+
+
+def policy_update(run: Run, r: Rollouts, adv, old, refl, timer: "Timer", count: float) -> dict[str, float]:
+    """`iterations` passes over the batch on the clipped surrogate (+ KL); returns the summed loss stats.
+    `count`: the response tokens of all ranks (response_tokens), > 0."""
+    normalizer = count / (run.world.size * (run.n_seq // run.micro))  # dapo: global token mean
     stats_sum: dict[str, float] = {}
     for _ in range(run.g.iterations):
         for i in range(0, len(r.ids), run.micro):
             sl = slice(i, i + run.micro)
-            logp, ent = forward_logps(run.policy, r.ids[sl], r.attn[sl], with_entropy=True)
+            logp, ent = forward_logps(run.policy, r.ids[sl], r.attn[sl], run.g.temperature, with_entropy=True)
             loss, stats = policy_loss(logp, logp.detach() if old is None else old[sl], adv[sl], r.resp_mask[sl],
                                       run.loss_cfg, ref_logp=None if refl is None else refl[sl], entropy=ent,
                                       token_normalizer=normalizer if run.g.aggregation == "dapo" else None)
@@ -407,18 +430,23 @@ def grpo_step(run: Run, rows: list[dict], sampling: SamplingConfig, step: int) -
     scores, reward, adv = score(run, rows, r, step)
     run.last_reward = reward
     timer = Timer()
-    refl = batched_logps(run.ref, r, run.micro) if run.ref is not None else None
+    count = response_tokens(r)
+    if count == 0:  # dynamic sampling dropped every group on every rank: the loss would be 0/0, the update NaN
+        skip_update(run)
+        return metrics_row(run, r, scores, reward, {}, timer.s, 0, step, time.time() - t0, skipped=True)
+    refl = batched_logps(run.ref, r, run.micro, run.g.temperature) if run.ref is not None else None
     timer.lap("ref_s")
     old = old_logps(run, r)
     timer.lap("old_s")
-    stats = policy_update(run, r, adv, old, refl, timer)
+    stats = policy_update(run, r, adv, old, refl, timer, count)
     forwards = run.g.iterations + (old is not None) + (run.ref is not None)
     return metrics_row(run, r, scores, reward, stats, timer.s, forwards, step, time.time() - t0)
 
 
 def metrics_row(run: Run, r: Rollouts, scores, reward, stats: dict, phases: dict, forwards: int, step: int,
-                step_s: float) -> dict:
-    """The step's metrics, averaged (or summed) over ranks."""
+                step_s: float, skipped: bool = False) -> dict:
+    """The step's metrics, averaged (or summed) over ranks. skipped: no update was made (update_skipped 1, loss 0;
+    no kl, entropy or clip statistics, as no forward ran)."""
     train_s = sum(phases.values())
     n_micro = run.g.iterations * (len(r.ids) // run.micro)
     new_tokens = _sum_all(r.tree.generated_tokens if r.tree is not None else r.attn[:, r.p_len:].sum())  # shared prefixes once
@@ -432,8 +460,12 @@ def metrics_row(run: Run, r: Rollouts, scores, reward, stats: dict, phases: dict
         row["decode_ms_per_step"] = 1000 * run.rollout.decode_s / run.rollout.decode_steps
     if hasattr(run.rollout, "memory_bytes"):
         row["decoder_mem_gib"] = round(run.rollout.memory_bytes() / 2**30, 3)
-    row["kl"] = row.pop("kl_mean", 0.0)
-    row["entropy"] = row.pop("entropy_mean", 0.0)
+    row["update_skipped"] = int(skipped)
+    if skipped:
+        row["loss"] = 0.0
+    else:
+        row["kl"] = row.pop("kl_mean", 0.0)
+        row["entropy"] = row.pop("entropy_mean", 0.0)
     for label, vals in scores.per_reward.items():
         row[f"reward_{label}"] = _mean_all(float(vals.mean()))
     for label, n in scores.failures.items():

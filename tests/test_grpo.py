@@ -116,6 +116,21 @@ def test_a_step_moves_the_policy_and_not_the_reference(runs, kind):
     assert a["policy_after_vs_before"] == b["policy_after_vs_before"]
 
 
+@pytest.mark.parametrize("kind", ["local", "engine"])
+def test_the_loss_scores_the_distribution_that_sampled(runs, kind):
+    """Rollouts sample from softmax(logits / T) (T = 0.7 here): the log-probs that reach the loss at the first
+    update (policy and reference, both still the sampling policy) are those of that distribution, not T = 1's."""
+    for info in runs[kind]:
+        assert info["temperature"] == 0.7
+        # fp32 (local): the engine and a plain copy differ by kernels only (measured 1.2e-6 and 1.4e-6 on the two
+        # ranks); bf16 (engine): by bf16 rounding in two code paths (measured 0.042 and 0.0025). The same tokens at
+        # T = 1 score 0.76 and 0.22 off (the control; scored at T = 1, the loss got exactly those: 0.76 and 0.22).
+        bound = 1e-4 if kind == "local" else 6e-2
+        got = info["sampling_vs_train_logp"]
+        assert got < bound and info["sampling_vs_ref_logp"] < bound, info
+        assert info["untempered_vs_sampling_logp"] > max(bound, 3 * got), info
+
+
 def test_local_rollouts_finish_at_different_lengths_without_a_hang(runs):
     a, b = runs["local"]
     assert a["rollout_class"] == b["rollout_class"] == "DecoderRollout"

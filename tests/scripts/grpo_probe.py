@@ -7,6 +7,8 @@ its functions to record what the tests check, per rank, in OUT/rank{r}.json:
   - every rollout: greedy or sampled, how many decode steps it ran, each completion's length, and the
     torch.distributed collectives called during it
   - the metric rows train() returned
+  - at the first update: the log-probs the loss received (policy and reference) against those of the sampling
+    distribution (a plain copy's logits / grpo.temperature) at the sampled tokens
   - local rollouts: greedy tokens of the persistent decoder against transformers' generate on a plain copy of the
     same weights, at the first rollout (before any update) and after training; decoders built; whether each
     step skipped the old-log-prob forward
@@ -147,7 +149,7 @@ def main() -> None:
     info["old_logps"] = []  # per step: True where the old-log-prob forward ran
 
     def old_logps_recorded(run, r):
-        old = grpo.batched_logps(run.policy, r, run.micro) if force_old else old_logps(run, r)
+        old = grpo.batched_logps(run.policy, r, run.micro, run.g.temperature) if force_old else old_logps(run, r)
         info["old_logps"].append(old is not None)
         return old
 
@@ -186,13 +188,42 @@ def main() -> None:
         seen["rollout"] = rollout
         return rollout
 
+    policy_loss, policy_update = grpo.policy_loss, grpo.policy_update
+    loss_inputs: list = []
+
+    def policy_loss_recorded(logp, old_logp, adv, mask, cfg, ref_logp=None, **k):
+        loss_inputs.append((logp.detach().clone(), None if ref_logp is None else ref_logp.clone(), mask.clone()))
+        return policy_loss(logp, old_logp, adv, mask, cfg, ref_logp=ref_logp, **k)
+
+    def policy_update_recorded(run, r, *args):
+        if "sampling_vs_train_logp" in info:
+            return policy_update(run, r, *args)
+        # The first update: the policy is still the one that sampled. Its log-probs of the sampled tokens, from a
+        # plain copy at the sampling temperature, against those the loss received (collective: every rank here).
+        with torch.no_grad():
+            copy = local_copy(run.policy.module, run.policy.device)
+            pos = (r.attn.cumsum(-1) - 1).clamp(min=0)
+            lg = copy(input_ids=r.ids, attention_mask=r.attn, position_ids=pos).logits[:, :-1].float()  # (N, T-1, V)
+            del copy
+        pick = lambda x: torch.log_softmax(x, -1).gather(-1, r.ids[:, 1:, None]).squeeze(-1)  # noqa: E731
+        want, at_one = pick(lg / run.g.temperature), pick(lg)
+        n0 = len(loss_inputs)
+        out = policy_update(run, r, *args)
+        logp, ref_logp, mask = loss_inputs[n0]  # the first micro-batch
+        m, rows = mask.bool(), logp.shape[0]
+        info.update(temperature=run.g.temperature, sampling_vs_train_logp=diff(logp[m], want[:rows][m]),
+                    sampling_vs_ref_logp=diff(ref_logp[m], want[:rows][m]),
+                    untempered_vs_sampling_logp=diff(at_one[:rows][m], want[:rows][m]))
+        return out
+
     grpo.build_reference, grpo.build_rollout = build_reference_recorded, build_rollout_recorded
-    grpo.old_logps = old_logps_recorded
+    grpo.old_logps, grpo.policy_loss, grpo.policy_update = old_logps_recorded, policy_loss_recorded, policy_update_recorded
     builds = Decoder.builds  # a process-wide count: this process may have run other jobs (tests/scripts/pool.py)
     try:
         rows = grpo.train(recipe, ds, tok, prompts, evals, rewards, init, world)
     finally:
         grpo.build_reference, grpo.build_rollout, grpo.old_logps = build_reference, build_rollout, old_logps
+        grpo.policy_loss, grpo.policy_update = policy_loss, policy_update
     info["decoder_builds"] = Decoder.builds - builds
     if hasattr(seen["rollout"], "decoder"):  # after the last optimizer step: refresh, then compare again
         seen["rollout"].sync_weights(0)

@@ -1,0 +1,122 @@
+"""GRPO's pieces in this process, on a tiny plain Hugging Face DeepSeek-V3 (no engine, no launcher): the log-probs
+at the sampling temperature, the rollout copies' fp32 buffers, the decoder under flex attention, the recipe's sampling
+fields, and a tokenizer without a pad token."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import ROOT
+
+ASSETS = ROOT / "engine" / "assets"
+
+
+def tiny_model(dtype=torch.float32, attn="sdpa", seed=0):
+    from transformers import AutoModelForCausalLM
+
+    from engine.config import ModelConfig
+    from engine.data import load_tokenizer
+    from engine.model import make_hf_config
+
+    m = ModelConfig(arch="deepseek_v3", hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
+                    moe_intermediate_size=64, num_experts=8, experts_per_token=2, vocab_size=512,
+                    max_position_embeddings=64)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(make_hf_config(m, load_tokenizer(str(ASSETS / "tokenizer"))), dtype=dtype,
+                                             attn_implementation=attn)
+    return model.eval()
+
+
+def test_forward_logps_are_those_of_the_sampling_distribution():
+    from engine.grpo import forward_logps
+
+    model = tiny_model()
+    ids = torch.randint(0, 512, (3, 10))
+    attn = torch.ones_like(ids)
+    attn[0, :4] = 0  # left padding
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, :-1].float()
+        for t in (0.7, 1.0, 1.3):
+            logp, ent = forward_logps(model, ids, attn, t, with_entropy=True)
+            want = torch.log_softmax(logits / t, -1)
+            torch.testing.assert_close(logp, want.gather(-1, ids[:, 1:, None]).squeeze(-1), atol=1e-6, rtol=0)
+            torch.testing.assert_close(ent, -(want.exp() * want).sum(-1), atol=1e-5, rtol=0)
+        # At another temperature the same tokens score differently: the comparison above can fail.
+        assert (forward_logps(model, ids, attn, 0.7)[0] - forward_logps(model, ids, attn, 1.0)[0]).abs().max() > 0.1
+
+
+def test_rollout_copies_keep_the_routing_bias_in_fp32():
+    """A bf16 policy keeps DeepSeek-V3's routing bias in fp32 (as from_pretrained and train.balance_rate do): the
+    rollout decoder and the plain copy (ZeRO 0-2's reference) hold the same fp32 values, so they route as it does.
+    Rounded to bf16, 0.5007 became 0.5 and 0.2001 / 0.2003 one value."""
+    from engine.decoder import Decoder
+    from engine.rollout import local_copy
+
+    policy = tiny_model(torch.bfloat16)
+    values = torch.tensor([0.5007, 0.2001, 0.2003, -0.1234567, 0.0, 0.3, 0.70001, -0.5])
+    for layer in policy.model.layers:
+        layer.mlp.gate.e_score_correction_bias = values.clone()  # fp32
+    assert values.to(torch.bfloat16).float().unique().numel() < values.numel()  # bf16 would merge some
+    copies = {"local_copy": local_copy(policy, "cpu"), "decoder": Decoder(policy, "cpu", 2, 32).model}
+    for name, copy in copies.items():
+        for layer in copy.model.layers:
+            bias = layer.mlp.gate.e_score_correction_bias
+            assert bias.dtype == torch.float32, (name, bias.dtype)
+            assert torch.equal(bias, values), (name, bias)
+        assert copy.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.bfloat16  # weights stay as the policy's
+
+
+def test_decoder_under_flex_attention_samples_as_under_sdpa():
+    """model.attn_implementation: flex_attention trains with flex attention; the rollout decoder (static cache,
+    absorbed MLA) decodes with sdpa's masks: the same greedy tokens as a decoder built from an sdpa policy."""
+    from engine.decoder import Decoder
+
+    flex, sdpa = tiny_model(attn="flex_attention"), tiny_model(attn="sdpa")
+    assert flex.config._attn_implementation == "flex_attention"
+    ids = torch.randint(3, 512, (2, 6))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    out = [Decoder(m, "cpu", 2, 32, compile=False).generate(ids, mask, 8, eos_id=1, pad_id=0, temperature=0.0)
+           for m in (flex, sdpa)]
+    assert torch.equal(out[0], out[1]) and out[0].shape[1] > ids.shape[1]
+    assert flex.config._attn_implementation == "flex_attention"  # the policy itself is left as it was
+
+
+@pytest.mark.parametrize("field, value, expect", [
+    ("temperature", 0.0, "grpo.temperature (0.0) must be > 0"),
+    ("temperature", -1.0, "grpo.temperature (-1.0) must be > 0: rollouts sample from softmax(logits / temperature) "
+                          "(a negative one favours the least likely tokens)"),
+    ("top_p", 0.0, "grpo.top_p (0.0) must be in (0, 1]"),
+    ("top_p", 5.0, "grpo.top_p (5.0) must be in (0, 1]"),
+])
+def test_sampling_fields_are_validated(field, value, expect):
+    from engine.config import ConfigError, load_recipe
+
+    with pytest.raises(ConfigError) as e:
+        load_recipe(ROOT / "engine" / "recipes" / "grpo_tiny.yaml", {f"grpo.{field}": value})
+    assert expect in str(e.value) and "\n" not in str(e.value)
+    load_recipe(ROOT / "engine" / "recipes" / "grpo_tiny.yaml", {"grpo.temperature": 0.7, "grpo.top_p": 1.0})
+
+
+def test_a_tokenizer_without_a_pad_token_pads_with_eos(tmp_path, capsys):
+    """GRPO left-pads prompts with the pad token: a tokenizer without one gets its EOS token (noted once), and a
+    batch of prompts of different lengths pads."""
+    from engine.grpo import left_pad, parse_args, preflight
+    from engine.parallel import World
+
+    tok_dir = tmp_path / "tok"
+    shutil.copytree(ASSETS / "tokenizer", tok_dir)
+    cfg = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    del cfg["pad_token"]
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    recipe = (ROOT / "engine" / "recipes" / "grpo_tiny.yaml").read_text().replace("engine/assets/", f"{ASSETS}/")
+    (tmp_path / "r.yaml").write_text(recipe.replace("data:\n", f"data:\n  tokenizer: {tok_dir}\n"))
+    args = parse_args(["--deepspeed_config", str(ROOT / "ds_configs" / "zero3_grpo.json"), "--config",
+                       str(tmp_path / "r.yaml"), "--run_dir", str(tmp_path / "run")])
+    tok = preflight(args, World(rank=0, size=1, local_size=1))[2]
+    assert tok.pad_token_id == tok.eos_token_id is not None
+    assert f"has no pad token; padding with its EOS token '{tok.eos_token}'" in capsys.readouterr().out
+    req = left_pad(["Q: 1 + 2 = ? A:", "Gus went to the harbor with 9 pens. Q: 10 + 20 = ? A:"], tok, "cpu")
+    assert req.prompt_ids[0, 0] == tok.eos_token_id and req.prompt_attention_mask[0, 0] == 0
