@@ -216,17 +216,24 @@ def resume_position(saved: dict, micro: int, world: int) -> int | None:
     return consumed // (micro * world) if consumed % (micro * world) == 0 else None
 
 
-def recorded_batch(run_dir: str | Path) -> dict | None:
-    """The micro-batch and accumulation `latest` was trained with ({"micro_batch", "grad_accum"}), for resolving a DS
-    config's "auto" on --resume; None when there is nothing readable (check_resume reports why). A checkpoint saved
-    before "auto" has no grad_accum: it follows from the tokens per step (tokens / step = micro x accumulation x
-    data-parallel ranks x seq_len), when that divides evenly."""
+def saved_state(run_dir: str | Path) -> dict | None:
+    """`latest`'s engine_state.json (step, position, world, the recipe it ran, ...); None when there is none readable
+    (check_resume reports why)."""
     tag = latest(run_dir)
     try:
         saved = json.loads((ckpt_dir(run_dir) / tag / STATE_FILE).read_text()) if tag else None
     except (OSError, json.JSONDecodeError):
         return None
-    if not isinstance(saved, dict):
+    return saved if isinstance(saved, dict) else None
+
+
+def recorded_batch(run_dir: str | Path) -> dict | None:
+    """The micro-batch and accumulation `latest` was trained with ({"micro_batch", "grad_accum"}), for resolving a DS
+    config's "auto" on --resume; None when there is nothing readable (check_resume reports why). A checkpoint saved
+    before "auto" has no grad_accum: it follows from the tokens per step (tokens / step = micro x accumulation x
+    data-parallel ranks x seq_len), when that divides evenly."""
+    saved = saved_state(run_dir)
+    if saved is None:
         return None
     ok = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1  # noqa: E731
     found = {k: saved[k] for k in ("micro_batch", "grad_accum") if ok(saved.get(k))}
@@ -240,6 +247,45 @@ def recorded_batch(run_dir: str | Path) -> dict | None:
         except (KeyError, TypeError, ZeroDivisionError):
             pass
     return found
+
+
+SCHEDULE = ("max_steps", "warmup_steps", "min_lr_ratio", "decay_steps")
+
+
+def lr_schedule(recipe: Recipe) -> tuple[Recipe, list[str]]:
+    """The recipe with the LR schedule this run uses, and the lines to print about it (before any work).
+
+    On --resume with another train.max_steps (train.decay_steps unset) the checkpoint's schedule is kept: a longer
+    run goes on at the final LR rather than jumping back up a stretched cosine. A schedule changed on purpose
+    (decay_steps, warmup_steps or min_lr_ratio) is used, and the LR jump it makes is printed. A run that is all
+    warmup is warned about."""
+    from .parallel import lr_multiplier
+
+    t, lines = recipe.train, []
+    if t.max_steps <= t.warmup_steps:
+        lines.append(f"warning: train.max_steps ({t.max_steps}) <= train.warmup_steps ({t.warmup_steps}): the whole run "
+                     f"is warmup and the LR never reaches train.lr ({t.lr:g}); lower train.warmup_steps")
+    saved = saved_state(recipe.run_dir) if recipe.resume else None
+    old = (saved or {}).get("recipe", {}).get("train")
+    if not isinstance(old, dict) or not isinstance(saved.get("step"), int):
+        return recipe, lines
+    then = dataclasses.replace(t, **{k: old[k] for k in SCHEDULE if k in old})
+    length = lambda x: x.decay_steps or x.max_steps  # noqa: E731
+    if (then.warmup_steps, length(then), then.min_lr_ratio) == (t.warmup_steps, length(t), t.min_lr_ratio):
+        return recipe, lines
+    step = saved["step"]
+    jump = (f"the LR would jump from {t.lr * lr_multiplier(then)(step):.4g} to {t.lr * lr_multiplier(t)(step):.4g} "
+            f"at step {step + 1}")
+    if t.decay_steps is None and (then.warmup_steps, then.min_lr_ratio) == (t.warmup_steps, t.min_lr_ratio):
+        recipe = dataclasses.replace(recipe, train=dataclasses.replace(t, decay_steps=length(then)))
+        lines.append(f"note: --resume with train.max_steps {t.max_steps} (the checkpoint's run: {then.max_steps}) keeps "
+                     f"its LR schedule: cosine to step {length(then)}, then {t.lr * t.min_lr_ratio:.4g}; set "
+                     f"train.decay_steps: {t.max_steps} to stretch it instead ({jump})")
+    else:
+        lines.append(f"warning: --resume with another LR schedule than the checkpoint's (warmup_steps "
+                     f"{then.warmup_steps} -> {t.warmup_steps}, length {length(then)} -> {length(t)}, min_lr_ratio "
+                     f"{then.min_lr_ratio} -> {t.min_lr_ratio}): {jump.replace('would jump', 'jumps')}")
+    return recipe, lines
 
 
 def check_resume(recipe: Recipe, ds: dict, world_size: int, rank: int = 0) -> tuple[list[str], bool]:

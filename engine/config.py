@@ -89,7 +89,10 @@ class TrainConfig:
     """Peak learning rate; fills the DS config's optimizer lr when that says "auto"."""
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
-    """Cosine decays the DS config's optimizer lr to lr * min_lr_ratio at max_steps."""
+    """Cosine decays the DS config's optimizer lr to lr * min_lr_ratio at decay_steps (max_steps when unset)."""
+    decay_steps: int | None = None
+    """Length of the LR schedule (linear warmup, then cosine to lr * min_lr_ratio, then flat); null: max_steps. A
+    --resume with another max_steps keeps the schedule the checkpoint was trained with; set this to change it."""
     seed: int = 1234
     log_every: int = 10
     balance_rate: float = 0.0
@@ -192,6 +195,9 @@ class GRPOConfig:
     tree: TreeConfig = field(default_factory=TreeConfig)
     """Tree rollouts instead of independent chains (enabled: true turns them on with these defaults)."""
     rewards: list = field(default_factory=lambda: [{"name": "numeric", "weight": 1.0, "which": "first"}])
+    allow_random_init: bool = False
+    """Train a randomly initialised policy when there is no --init_from / model.init_from (benchmarks); otherwise
+    that is refused: a random policy earns no reward and learns nothing."""
     rollout: str = "auto"
     """local (a gathered copy of the policy on each device, when it fits) | engine (through DeepSpeed) | auto."""
     decode_experts: str = "auto"
@@ -354,6 +360,8 @@ def validate(r: Recipe) -> list[str]:
         p.append(f"train.lr: must be > 0, got {t.lr}")
     if t.warmup_steps < 0:
         p.append(f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")
+    if t.decay_steps is not None and t.decay_steps < 1:
+        p.append(f"train.decay_steps: must be >= 1 (or null: train.max_steps), got {t.decay_steps}")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         p.append(f"train.min_lr_ratio ({t.min_lr_ratio}) must be in [0, 1]")
     if t.tokens_per_step_per_gpu is not None and t.tokens_per_step_per_gpu < 1:

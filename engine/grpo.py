@@ -70,6 +70,29 @@ def load_prompts(path: str, where: str = "data.path") -> list[dict]:
     return rows
 
 
+def resumed_init(init_from: str | None, recipe: Recipe) -> tuple[str | None, str | None]:
+    """(--init_from to use, problem). A resumed run rebuilds its reference policy from the model the run started
+    from, which its checkpoint records (for a checkpoint source: the export in run_dir/init_hf), so --init_from may
+    be left out; another source than the recorded one is refused (the reference would change mid-run)."""
+    saved = checkpoint.saved_state(recipe.run_dir) if recipe.resume else None
+    if saved is None or "recipe" not in saved:  # not resuming, or check_resume reports what is wrong
+        return init_from, None
+    start, source = saved["recipe"].get("model", {}).get("init_from"), saved.get("init_source")
+    where = f"checkpoint {checkpoint.ckpt_dir(recipe.run_dir) / checkpoint.latest(recipe.run_dir)}"
+    if start is None:
+        if init_from is not None:
+            return None, (f"--init_from {init_from}: the run in {recipe.run_dir} started from a random init ({where}), "
+                          "which is its reference policy; resume without --init_from, or start a new run_dir")
+        return None, None
+    if init_from is not None and source is not None and Path(init_from).resolve() != Path(source).resolve():
+        return None, (f"--init_from {init_from}: the run in {recipe.run_dir} started from {source} ({where}), its "
+                      "reference policy; resume without --init_from (the recorded model is used), or start a new run_dir")
+    if not (Path(start) / "config.json").is_file():
+        return None, (f"--resume: the run started from {start} ({where}), which is gone, and the reference policy is "
+                      "rebuilt from it; restore it there, or start a new run_dir")
+    return start, None
+
+
 def resolve_init(init_from: str | None, recipe: Recipe) -> str | None:
     """An HF model dir to load: as given, or exported from a pretraining run/checkpoint (done on rank 0)."""
     if init_from is None:
@@ -174,8 +197,15 @@ def preflight(args, world: World):
         tok.pad_token = tok.eos_token
     prompts = load_prompts(recipe.data.path)
     evals = load_prompts(g.eval_path, "grpo.eval_path") if g.eval_path else []
-    init = resolve_init(args.init_from, recipe)
-    hf_config = model_config(args.init_from, init, recipe, tok)
+    init_from, problem = resumed_init(args.init_from, recipe)
+    if problem:
+        raise ConfigError("; ".join(problems + [problem]))
+    init = resolve_init(init_from, recipe)
+    if init is None and init_from is None and not g.allow_random_init:
+        problems.append("no --init_from (nor model.init_from): GRPO would train a randomly initialised policy, which "
+                        "earns no reward; pass --init_from a pretraining run dir, a checkpoint or a Hugging Face "
+                        "model dir (or set grpo.allow_random_init: true, e.g. for benchmarks)")
+    hf_config = model_config(init_from, init, recipe, tok)
     limit = hf_config.max_position_embeddings
     for name, rows in (("data.path", prompts), ("grpo.eval_path", evals)):
         for i, r in enumerate(rows):
@@ -200,6 +230,9 @@ def preflight(args, world: World):
             ds.setdefault("checkpoint", {})["load_universal"] = True
     if problems:
         raise ConfigError("; ".join(problems))
+    recipe, schedule_lines = checkpoint.lr_schedule(recipe)
+    for line in schedule_lines:
+        print0(line)
     if recipe.resume and ds.get("checkpoint", {}).get("load_universal") and world.rank == 0:
         checkpoint.to_universal(recipe.run_dir)  # the other ranks wait for rank 0 in init_distributed
     return recipe, ds, tok, prompts, evals, rewards, init
@@ -478,8 +511,9 @@ def setup(recipe: Recipe, ds: dict, tok, rewards, prompts, evals, world: World) 
     g = recipe.grpo
     torch.manual_seed(recipe.train.seed + world.rank)  # different samples on each rank
     model = build_model(recipe.model, ds, tok, dtype=model_dtype(ds), device=_build_device(ds))
-    schedule = replace(recipe.train, max_steps=recipe.train.max_steps * g.iterations,
-                       warmup_steps=recipe.train.warmup_steps * g.iterations)
+    t = recipe.train  # one schedule step per optimizer step: `iterations` per GRPO step
+    schedule = replace(t, max_steps=t.max_steps * g.iterations, warmup_steps=t.warmup_steps * g.iterations,
+                       decay_steps=t.decay_steps and t.decay_steps * g.iterations)
     policy = build_engine(model, ds, schedule)
     ref = build_reference(policy, recipe, ds, tok) if g.beta > 0 else None
     micro = policy.train_micro_batch_size_per_gpu()
@@ -496,7 +530,10 @@ def decoder_cache_len(rows: list[dict], max_new_tokens: int) -> int:
     return -(-need // 16) * 16
 
 
-def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | None, world: World) -> list[dict]:
+def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | None, world: World,
+          source: str | None = None) -> list[dict]:
+    """`init`: the Hugging Face dir the policy and reference start from (None: random); `source`: the --init_from it
+    came from, recorded in checkpoints (a resume compares it)."""
     g = recipe.grpo
     recipe = replace(recipe, model=replace(recipe.model, init_from=init))  # checkpoints record the real source
     run = setup(recipe, ds, tok, rewards, prompts, evals, world)
@@ -540,7 +577,7 @@ def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | No
         rows.append(row)
         save, stop = saver.due(step, step if last else recipe.train.max_steps)  # at_end: the budget's last step too
         if save:
-            checkpoint.save(run.policy, recipe, {"step": step, "tokens": int(generated),
+            checkpoint.save(run.policy, recipe, {"step": step, "tokens": int(generated), "init_source": source,
                                                  "position": done * g.group_size // (run.micro * world.size),
                                                  **({"curriculum": cur.state_dict()} if cur else {})}, tok)
         if stop:
@@ -591,6 +628,8 @@ def main(argv=None) -> int:
         report_error(e, world)
         return 2
     init_distributed()
+    source = checkpoint.saved_state(recipe.run_dir).get("init_source") if recipe.resume else None
+    source = source or (str(Path(args.init_from).resolve()) if args.init_from else init)
     if init is None and args.init_from:
         init = str(Path(recipe.run_dir) / "init_hf")
         if world.rank == 0:
@@ -599,7 +638,7 @@ def main(argv=None) -> int:
             export(args.init_from, init, dtype="fp32", force=True)
         dist.barrier()
     try:
-        rows = train(recipe, ds, tok, prompts, evals, rewards, init, world)
+        rows = train(recipe, ds, tok, prompts, evals, rewards, init, world, source)
     finally:
         forget_zero3_for_transformers()
     if rows:  # none when a resumed run had already reached max_steps or its token budget (and has no eval set)

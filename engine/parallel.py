@@ -148,13 +148,18 @@ def warmup_cosine(warmup: int, total: int, min_ratio: float):
     return f
 
 
+def lr_multiplier(train):
+    """The recipe's LR schedule (train: a TrainConfig): warmup, then cosine over decay_steps (max_steps when unset)."""
+    return warmup_cosine(train.warmup_steps, train.decay_steps or train.max_steps, train.min_lr_ratio)
+
+
 def build_engine(model: torch.nn.Module, ds_config: dict, train=None):
     """deepspeed.initialize with the recipe's LR schedule; `train` None builds an optimizer-free engine."""
     import deepspeed
 
     schedule = None
     if train is not None:
-        mult = warmup_cosine(train.warmup_steps, train.max_steps, train.min_lr_ratio)
+        mult = lr_multiplier(train)
         schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, mult)  # noqa: E731
     engine, *_ = deepspeed.initialize(model=model, config=ds_config, lr_scheduler=schedule,
                                       model_parameters=model.parameters() if train is not None else None)

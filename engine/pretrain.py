@@ -98,8 +98,9 @@ def preflight(args: argparse.Namespace, world: World):
             ds.setdefault("checkpoint", {})["load_universal"] = True
     if problems:
         raise ConfigError("; ".join(problems))
-    if auto.note and world.rank == 0:
-        print(auto.note, flush=True)  # once, before any rank does work: what "auto" chose and why
+    recipe, schedule_lines = checkpoint.lr_schedule(recipe)
+    for line in ([auto.note] if auto.note else []) + schedule_lines:
+        print0(line)  # once, before any rank does work: what "auto" chose and why, the LR schedule on a resume
     if recipe.resume and ds.get("checkpoint", {}).get("load_universal") and world.rank == 0:
         checkpoint.to_universal(recipe.run_dir)  # the other ranks wait for rank 0 in init_distributed
     return recipe, ds, tok

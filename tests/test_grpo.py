@@ -230,6 +230,33 @@ def test_two_iterations_run_the_old_logprob_forward_on_one_rank(pretrained):
     assert all(r["ratio_mean"] != 1.0 for r in info["rows"][1:])  # the second pass sees moved weights
 
 
+FLAT_RECIPE = """
+data: {path: PROMPTS}
+train: {max_steps: 2, lr: 1.0e-3, warmup_steps: 0, log_every: 1}
+grpo: {group_size: 4, max_new_tokens: 8, temperature: 0.7, beta: 0.04, rollout: local, aggregation: dapo,
+       dynamic_sampling: true, rewards: [{name: format, pattern: 'no completion is this', full: true}]}
+checkpoint: {at_end: false}
+"""
+
+
+def test_no_update_when_dynamic_sampling_leaves_no_token(pretrained, runs):
+    """DAPO's dynamic sampling drops groups whose rewards are all equal; when that is every group on every rank (a
+    reward nothing earns yet), the token-mean loss would be 0/0 and the update NaN. The step is skipped and says so;
+    the policy does not move; the LR schedule advances as in a run that updates (the 2-rank local run, same train:)."""
+    d = pretrained / "flat"
+    d.mkdir()
+    (d / "grpo.yaml").write_text(FLAT_RECIPE.replace("PROMPTS", str(pretrained / "prompts.jsonl")))
+    run_launcher(1, PROBE, "--out", d / "out", "--deepspeed_config", grpo_ds(d / "ds.json", True), "--config",
+                 d / "grpo.yaml", "--init_from", pretrained / "hf", "--run_dir", d / "run", cwd=d)
+    info = json.loads((d / "out" / "rank0.json").read_text())
+    rows = info["rows"]
+    assert [(r["step"], r["update_skipped"], r["loss"], r["reward_std"]) for r in rows] == [(1, 1, 0.0, 0.0),
+                                                                                          (2, 1, 0.0, 0.0)], rows
+    assert info["policy_after_vs_before"] == 0.0  # no optimizer step: no momentum, no weight decay
+    assert [r["lr"] for r in rows] == [r["lr"] for r in runs["local"][0]["rows"][1:]]
+    assert all(r["update_skipped"] == 0 for r in runs["local"][0]["rows"][1:])
+
+
 # ---------------------------------------------------------------------------------------------- bad input
 
 def run_cli(tmp_path, *args, recipe: str | None = None):
@@ -266,6 +293,8 @@ TINY = (ROOT / "engine" / "recipes" / "grpo_tiny.yaml").read_text()
                                  "gradient_accumulation_steps (64)"),
     ("missing_init_from", "--init_from /nonexistent/pretrain_run: no such directory"),
     ("init_from_without_checkpoint", "--init_from"),
+    ("random_init", "no --init_from (nor model.init_from): GRPO would train a randomly initialised policy, which "
+                    "earns no reward"),
 ])
 def test_bad_input_is_one_clear_line_before_any_work(tmp_path, case, expect, capfd, monkeypatch):
     """engine.grpo.main (what bin/grpo.py runs) in this process, as rank 0 of 1 from the repo root: exit 2, one line
@@ -442,7 +471,10 @@ def test_resumed_grpo_equals_an_uninterrupted_run(pretrained, curriculum):
     (ck / "latest").write_text("step_00000002")
     lines = (d / "split" / "metrics.jsonl").read_text().splitlines()
     (d / "split" / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n")
-    run_launcher(2, GRPO, *common, "--run_dir", d / "split", "--resume", cwd=d)
+    # Resumed without --init_from in the plain case: the reference comes from the model the checkpoint names (before,
+    # a random one: KL 0.07 -> 3.4 on the resumed step); the comparison below includes the KL.
+    resume_args = common[:-2] if not curriculum else common
+    run_launcher(2, GRPO, *resume_args, "--run_dir", d / "split", "--resume", cwd=d)
     keys = ("step", "reward", "reward_std", "loss", "kl", "entropy", "response_len", "lr")
     if curriculum:
         keys += ("curriculum_unseen", "curriculum_in_band", "curriculum_tried", "curriculum_band_prompts")
@@ -457,6 +489,17 @@ def test_resumed_grpo_equals_an_uninterrupted_run(pretrained, curriculum):
         # step 1: 2 unseen; then round(0.25 x 2) = 1 unseen + 1 tried. Resumed without the statistics, step 3 would
         # find every prompt unseen (1.0) and draw others.
         assert [r["curriculum_unseen"] for r in straight] == [1.0, 0.5, 0.5, 0.5]
+    else:  # another model than the run started from is refused before any work
+        from engine.config import ConfigError
+        from engine.grpo import parse_args, preflight
+        from engine.parallel import World
+
+        args = parse_args([str(a) for a in resume_args[:4]] + ["--init_from", str(pretrained / "run"), "--run_dir",
+                                                              str(d / "split"), "--resume"])
+        with pytest.raises(ConfigError, match=rf"^--init_from {pretrained / 'run'}: the run in {d / 'split'} started "
+                                              rf"from {pretrained / 'hf'} \(checkpoint .*step_00000004\), its reference "
+                                              "policy; resume without --init_from"):
+            preflight(args, World(rank=0, size=2, local_size=2))
 
 
 def test_pipeline_config_is_refused_before_any_work(tmp_path, capfd, monkeypatch):

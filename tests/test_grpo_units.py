@@ -112,7 +112,8 @@ def test_a_tokenizer_without_a_pad_token_pads_with_eos(tmp_path, capsys):
     del cfg["pad_token"]
     (tok_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
     recipe = (ROOT / "engine" / "recipes" / "grpo_tiny.yaml").read_text().replace("engine/assets/", f"{ASSETS}/")
-    (tmp_path / "r.yaml").write_text(recipe.replace("data:\n", f"data:\n  tokenizer: {tok_dir}\n"))
+    recipe = recipe.replace("data:\n", f"data:\n  tokenizer: {tok_dir}\n").replace("grpo:\n", "grpo:\n  allow_random_init: true\n")
+    (tmp_path / "r.yaml").write_text(recipe)
     args = parse_args(["--deepspeed_config", str(ROOT / "ds_configs" / "zero3_grpo.json"), "--config",
                        str(tmp_path / "r.yaml"), "--run_dir", str(tmp_path / "run")])
     tok = preflight(args, World(rank=0, size=1, local_size=1))[2]

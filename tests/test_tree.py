@@ -254,7 +254,7 @@ def grpo_cli(tmp_path, capfd, monkeypatch, recipe: str, ds=ZERO3_GRPO):
         raise AssertionError("got past the checks to init_distributed (bad input was let through)")
 
     monkeypatch.setattr(engine.grpo, "init_distributed", no_work)
-    (tmp_path / "recipe.yaml").write_text(recipe)
+    (tmp_path / "recipe.yaml").write_text(recipe.replace("grpo:\n", "grpo:\n  allow_random_init: true\n", 1))
     return run_in_process(engine.grpo.main, ["--deepspeed_config", ds, "--config", tmp_path / "recipe.yaml",
                                              "--run_dir", tmp_path / "run"], capfd, monkeypatch, cwd=ROOT,
                           RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, LOCAL_SIZE=1)

@@ -1,0 +1,82 @@
+"""The LR schedule across a --resume with another train.max_steps, and a run that is all warmup
+(engine/checkpoint.py lr_schedule)."""
+import dataclasses
+import json
+
+import pytest
+
+from conftest import ROOT, ZERO3, read_metrics, run_ranks
+
+RECIPE = """
+model: {arch: deepseek_v3, hidden_size: 32, num_layers: 2, num_heads: 4, intermediate_size: 64,
+        moe_intermediate_size: 32, num_experts: 4, experts_per_token: 2, vocab_size: 512, max_position_embeddings: 64}
+data: {seq_len: 32}
+train: {max_steps: 4, warmup_steps: 1, lr: 1.0e-3, min_lr_ratio: 0.1, log_every: 1}
+checkpoint: {every_steps: 4}
+"""
+
+
+def saved_run(run_dir, step: int, **train):
+    """A run dir whose `latest` checkpoint records `step` and the train section `train` (nothing else is read)."""
+    from engine.config import TrainConfig
+
+    tag = run_dir / "checkpoints" / f"step_{step:08d}"
+    tag.mkdir(parents=True)
+    (run_dir / "checkpoints" / "latest").write_text(tag.name)
+    state = {"step": step, "recipe": {"train": dataclasses.asdict(dataclasses.replace(TrainConfig(), **train))}}
+    (tag / "engine_state.json").write_text(json.dumps(state))
+
+
+def recipe_for(run_dir, resume: bool, **train):
+    from engine.config import Recipe, TrainConfig
+
+    return Recipe(train=dataclasses.replace(TrainConfig(), **train), run_dir=str(run_dir), resume=resume)
+
+
+def test_a_longer_resumed_run_keeps_the_saved_schedule(tmp_path):
+    from engine.checkpoint import lr_schedule
+
+    saved_run(tmp_path, 100, max_steps=100, warmup_steps=10, lr=3e-4, min_lr_ratio=0.1)
+    recipe, lines = lr_schedule(recipe_for(tmp_path, True, max_steps=200, warmup_steps=10, lr=3e-4, min_lr_ratio=0.1))
+    assert recipe.train.decay_steps == 100 and recipe.train.max_steps == 200
+    # At step 100 the saved cosine has ended at 3e-5; stretched to 200 steps it would be back at 1.76e-4.
+    assert lines == ["note: --resume with train.max_steps 200 (the checkpoint's run: 100) keeps its LR schedule: "
+                     "cosine to step 100, then 3e-05; set train.decay_steps: 200 to stretch it instead (the LR would "
+                     "jump from 3e-05 to 0.0001761 at step 101)"]
+    # Not resuming, or resuming with the same schedule: nothing to say, nothing changed.
+    for resume, steps in ((False, 200), (True, 100)):
+        r = recipe_for(tmp_path, resume, max_steps=steps, warmup_steps=10, lr=3e-4, min_lr_ratio=0.1)
+        assert lr_schedule(r) == (r, [])
+
+
+def test_a_schedule_changed_on_purpose_is_used_and_its_jump_printed(tmp_path):
+    from engine.checkpoint import lr_schedule
+
+    saved_run(tmp_path, 100, max_steps=100, warmup_steps=10, lr=3e-4, min_lr_ratio=0.1)
+    r = recipe_for(tmp_path, True, max_steps=200, decay_steps=200, warmup_steps=10, lr=3e-4, min_lr_ratio=0.1)
+    recipe, lines = lr_schedule(r)
+    assert recipe is r
+    assert lines == ["warning: --resume with another LR schedule than the checkpoint's (warmup_steps 10 -> 10, length "
+                     "100 -> 200, min_lr_ratio 0.1 -> 0.1): the LR jumps from 3e-05 to 0.0001761 at step 101"]
+
+
+def test_a_run_that_is_all_warmup_is_warned_about(tmp_path):
+    from engine.checkpoint import lr_schedule
+
+    _, lines = lr_schedule(recipe_for(tmp_path, False, max_steps=5, warmup_steps=20, lr=3e-4))
+    assert lines == ["warning: train.max_steps (5) <= train.warmup_steps (20): the whole run is warmup and the LR "
+                     "never reaches train.lr (0.0003); lower train.warmup_steps"]
+
+
+def test_resume_with_more_steps_goes_on_at_the_final_lr(tmp_path):
+    """bin/pretrain.py (1 rank, in this process): 4 steps with a cosine to 1e-4 at step 4, then --resume
+    --max_steps 6. The LR logged after steps 5 and 6 is 1e-4, the saved schedule's end (a cosine stretched to 6
+    steps would log 1.86e-4 after step 5)."""
+    (tmp_path / "r.yaml").write_text(RECIPE)
+    args = ["--deepspeed_config", ZERO3, "--config", tmp_path / "r.yaml", "--run_dir", tmp_path / "run"]
+    run_ranks(1, ROOT / "bin" / "pretrain.py", *args, cwd=tmp_path)
+    p = run_ranks(1, ROOT / "bin" / "pretrain.py", *args, "--resume", "--max_steps", 6, cwd=tmp_path)
+    assert "note: --resume with train.max_steps 6 (the checkpoint's run: 4) keeps its LR schedule" in p.stdout
+    lrs = {r["step"]: r["lr"] for r in read_metrics(tmp_path / "run")}
+    assert sorted(lrs) == [1, 2, 3, 4, 5, 6]
+    assert lrs[4] == pytest.approx(1e-4) and lrs[5] == lrs[6] == pytest.approx(1e-4), lrs
