@@ -36,6 +36,7 @@ from .ds_config import ep_size
 STATE_FILE = "engine_state.json"
 MANIFEST = "manifest.json"
 BUFFERS = "buffers.pt"
+STOP_FILE = "STOP"  # RUN_DIR/STOP: save at the next step boundary and end the run with exit 0 (Cadence)
 UNIVERSAL = "universal"
 
 
@@ -56,7 +57,9 @@ def tag_for(step: int) -> str:
 
 
 class Cadence:
-    """When to save: every N steps, every M minutes, at the last step, and after SIGTERM/SIGINT (then stop).
+    """When to save: every N steps, every M minutes, at the last step, and after SIGTERM/SIGINT or once `stop_file`
+    exists (then stop). A stop by signal leaves the `deepspeed` launcher's exit code at 1 (it exits 1 whenever it has
+    forwarded a signal); a stop by the file is a normal end, exit 0. The file is removed once seen, so --resume goes on.
 
     The signal handler only sets a flag; `due` all-reduces (MAX) the flags of every rank at each step boundary,
     so all ranks enter the save together even when only one rank (or only the launcher's first child) got the
@@ -66,9 +69,10 @@ class Cadence:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self, c: CheckpointConfig, device: torch.device | str = "cpu"):
-        self.c, self.last, self.device = c, time.time(), device
+    def __init__(self, c: CheckpointConfig, device: torch.device | str = "cpu", stop_file: Path | None = None):
+        self.c, self.last, self.device, self.stop_file = c, time.time(), device, stop_file
         self.signal: int = 0
+        self.stopped_by_file = False
         self.failed = self._fail = False
         self._previous = {}
         if threading.current_thread() is threading.main_thread():
@@ -93,19 +97,27 @@ class Cadence:
     def due(self, step: int, max_steps: int) -> tuple[bool, bool]:
         """(save now, stop after saving), the same on every rank."""
         by_time = self.c.every_minutes > 0 and time.time() - self.last >= 60 * self.c.every_minutes
-        flags = torch.tensor([float(by_time), float(self.signal), float(self._fail)],
+        asked = self.stop_file is not None and self.stop_file.exists()  # one stat per step
+        flags = torch.tensor([float(by_time), float(self.signal), float(self._fail), float(asked)],
                              device=self.device)  # NCCL: accelerator tensors
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        self.failed = bool(flags[2])
-        stop = bool(flags[1]) or self.failed
+        self.failed, self.stopped_by_file = bool(flags[2]), bool(flags[3])
+        if self.stopped_by_file and (not dist.is_initialized() or dist.get_rank() == 0):
+            self.stop_file.unlink(missing_ok=True)  # every rank has looked (the all-reduce): --resume must not stop
+        stop = bool(flags[1]) or self.failed or self.stopped_by_file
         due = ((self.c.at_end and (step == max_steps or self.failed))
-               or (self.c.every_steps and step % self.c.every_steps == 0) or bool(flags[0]) or bool(flags[1]))
+               or (self.c.every_steps and step % self.c.every_steps == 0) or bool(flags[0]) or bool(flags[1])
+               or self.stopped_by_file)
         if due:
             self.last = time.time()
         if stop and not self.signal:
             self.signal = int(flags[1])
         return bool(due), stop
+
+    def why(self) -> str:
+        """What stopped the run (after due() said stop and not failed): `signal N` or the stop file."""
+        return f"signal {self.signal}" if self.signal else f"{self.stop_file}"
 
     def close(self) -> None:
         for sig, handler in self._previous.items():

@@ -547,7 +547,7 @@ def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | No
     cur = curriculum.for_run(g.curriculum, len(prompts), n_prompts * world.size, recipe.train.seed,
                              state.get("curriculum"))  # None unless grpo.curriculum.enabled
     metrics = Metrics(recipe.run_dir, recipe.train.max_steps, step, run.policy.monitor)
-    saver = checkpoint.Cadence(recipe.checkpoint, run.device)  # also: SIGTERM/SIGINT -> save at the next step, stop
+    saver = checkpoint.Cadence(recipe.checkpoint, run.device, stop_file=Path(recipe.run_dir) / checkpoint.STOP_FILE)
     sampling = SamplingConfig(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
                               n_samples_per_prompt=g.group_size)
     rows = []
@@ -581,7 +581,7 @@ def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | No
                                                  "position": done * g.group_size // (run.micro * world.size),
                                                  **({"curriculum": cur.state_dict()} if cur else {})}, tok)
         if stop:
-            print0(f"stopped by signal {saver.signal} after step {step}; saved, continue with --resume")
+            print0(f"stopped by {saver.why()} after step {step}; saved, continue with --resume")
             break
     if budget_spent(generated, g):
         print0(f"grpo.max_generated_tokens {g.max_generated_tokens} reached after step {step}: {generated:.0f} "

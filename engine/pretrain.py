@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -201,7 +202,8 @@ def train(recipe: Recipe, engine, data, tok, world: World) -> list[dict]:
                                            start=position), accum)
     train_step = pipeline.train_step if pipeline.is_pipeline(engine.config) else zero_step
     device = engine.device
-    saver = checkpoint.Cadence(recipe.checkpoint, device)  # also: SIGTERM/SIGINT -> save at the next step, stop
+    # Also: SIGTERM/SIGINT, or RUN_DIR/STOP appearing -> save at the next step boundary and stop.
+    saver = checkpoint.Cadence(recipe.checkpoint, device, stop_file=Path(recipe.run_dir) / checkpoint.STOP_FILE)
     if batches.fill():
         saver.fail()
     if saver.agree_failed():  # some rank cannot read the first step's data: every rank stops before it
@@ -232,9 +234,9 @@ def train(recipe: Recipe, engine, data, tok, world: World) -> list[dict]:
             t0, loss_sum, logged = time.time(), torch.zeros((), device=device), step
         if save:
             checkpoint.save(engine, recipe, {"step": step, "position": position, "tokens": tokens}, tok)
-        if stop:  # a signal, or a rank that cannot read the next step's data (then saved only with at_end)
+        if stop:  # a signal, the stop file, or a rank that cannot read the next step's data (then saved only with at_end)
             if not saver.failed:
-                print0(f"stopped by signal {saver.signal} after step {step}; saved, continue with --resume")
+                print0(f"stopped by {saver.why()} after step {step}; saved, continue with --resume")
             break
     saver.close()
     metrics.close()

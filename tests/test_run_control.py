@@ -1,11 +1,11 @@
-"""The LR schedule across a --resume with another train.max_steps, and a run that is all warmup
-(engine/checkpoint.py lr_schedule)."""
+"""Controlling a run: the LR schedule across a --resume with another train.max_steps, a run that is all warmup
+(engine/checkpoint.py lr_schedule), and a clean stop through RUN_DIR/STOP (checkpoint.Cadence)."""
 import dataclasses
 import json
 
 import pytest
 
-from conftest import ROOT, ZERO3, read_metrics, run_ranks
+from conftest import ROOT, ZERO3, launch, read_metrics, run_ranks
 
 RECIPE = """
 model: {arch: deepseek_v3, hidden_size: 32, num_layers: 2, num_heads: 4, intermediate_size: 64,
@@ -80,3 +80,18 @@ def test_resume_with_more_steps_goes_on_at_the_final_lr(tmp_path):
     lrs = {r["step"]: r["lr"] for r in read_metrics(tmp_path / "run")}
     assert sorted(lrs) == [1, 2, 3, 4, 5, 6]
     assert lrs[4] == pytest.approx(1e-4) and lrs[5] == lrs[6] == pytest.approx(1e-4), lrs
+
+
+def test_a_stop_file_ends_the_run_with_exit_0_through_the_launcher(tmp_path):
+    """RUN_DIR/STOP: every rank saves at the next step boundary and the `deepspeed` command exits 0 (a stop by SIGTERM
+    saves too, but DeepSpeed's launcher then exits 1: tests/test_resume.py). The file is removed once seen."""
+    (tmp_path / "r.yaml").write_text(RECIPE.replace("max_steps: 4", "max_steps: 50"))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "STOP").touch()  # there before the first step: the run stops after it
+    p = launch(2, ROOT / "bin" / "pretrain.py", "--deepspeed_config", ZERO3, "--config", tmp_path / "r.yaml",
+               "--run_dir", run, cwd=tmp_path, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"stopped by {run / 'STOP'} after step 1; saved, continue with --resume" in p.stdout
+    assert (run / "checkpoints" / "latest").read_text() == "step_00000001"
+    assert not (run / "STOP").exists() and [r["step"] for r in read_metrics(run)] == [1]
