@@ -166,6 +166,7 @@ def save(engine, recipe: Recipe, state: dict, tokenizer=None) -> Path:
     engine.save_checkpoint(str(root), tag=tag, client_state=state, save_latest=False)
     torch.save(_rng_state(), root / tag / f"rng_rank{rank}.pt")
     if rank == 0:
+        point_to_our_exporter(root)
         torch.save(_persistent_buffers(engine.module), root / tag / BUFFERS)
         (root / tag / STATE_FILE).write_text(json.dumps({
             **state, "world_size": dist.get_world_size(), "micro_batch": engine.train_micro_batch_size_per_gpu(),
@@ -184,6 +185,38 @@ def save(engine, recipe: Recipe, state: dict, tokenizer=None) -> Path:
         prune(root, recipe.checkpoint.keep_last)
     dist.barrier()
     return root / tag
+
+
+# DeepSpeed's save copies its own zero_to_fp32.py (and zero_to_torch.py, which imports it) next to the tags. It cannot
+# export this engine's checkpoints (it refuses AutoEP ZeRO-3 experts, and writes DeepSpeed's names, not Hugging
+# Face's), so after each save both become this: bin/zero_to_fp32, run from wherever the user finds it.
+EXPORTER_POINTER = '''#!/usr/bin/env python3
+"""Written by moe-engine in place of DeepSpeed's script, which cannot export this engine's checkpoints (AutoEP
+experts, Hugging Face names). It runs moe-engine's exporter, bin/zero_to_fp32 (docs/checkpoints.md):
+    python {name} CHECKPOINT_DIR OUTPUT_DIR [--tag TAG] [--dtype fp32|bf16] [--max_shard_size 2GB] [--force]
+CHECKPOINT_DIR: this folder (the checkpoint `latest` names), one step_* folder in it, or the run dir. OUTPUT_DIR gets
+config.json, sharded *.safetensors and the tokenizer: AutoModelForCausalLM.from_pretrained(OUTPUT_DIR) loads it.
+"""
+import os
+import sys
+
+CHECKOUT = {root!r}  # the moe-engine that wrote this checkpoint; an installed one is used when it is gone
+if os.path.isdir(os.path.join(CHECKOUT, "engine", "export")):
+    sys.path.insert(0, CHECKOUT)
+from engine.export.write import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())
+'''
+
+
+def point_to_our_exporter(root: Path) -> None:
+    """Replace the recovery scripts DeepSpeed copied into `root` (RUN_DIR/checkpoints) with EXPORTER_POINTER."""
+    checkout = str(Path(__file__).resolve().parent.parent)
+    for name in ("zero_to_fp32.py", "zero_to_torch.py"):
+        if (root / name).is_file():
+            _write_atomic(root / name, EXPORTER_POINTER.format(name=name, root=checkout))
+            (root / name).chmod(0o755)
 
 
 def manifest(folder: Path) -> dict:
@@ -333,7 +366,7 @@ def check_resume(recipe: Recipe, ds: dict, world_size: int, rank: int = 0) -> tu
     micro = ds.get("train_micro_batch_size_per_gpu", 1)
     universal = bool((ds.get("checkpoint") or {}).get("load_universal"))
     stages = (ds.get("pipeline") or {}).get("stages", 0)
-    if saved.get("pipeline_stages", 0) != stages:  # the layouts differ (engine/pipeline_export.py): no conversion
+    if saved.get("pipeline_stages", 0) != stages:  # the layouts differ (engine/export/): no conversion
         mode = lambda n: f"{n} pipeline stages" if n else "no pipeline"  # noqa: E731
         problems.append(f"--resume: checkpoint {where} was saved with {mode(saved.get('pipeline_stages', 0))}, the "
                         f"DeepSpeed config has {mode(stages)}; resume with the DS config it was trained with")
@@ -352,7 +385,7 @@ def check_resume(recipe: Recipe, ds: dict, world_size: int, rank: int = 0) -> tu
 
 
 def damage(folder: Path, verify_crc: bool) -> str | None:
-    """What is wrong with a saved tag folder, or None. Also used by bin/zero_to_fp32 (engine/export.py)."""
+    """What is wrong with a saved tag folder, or None. Also used by bin/zero_to_fp32 (engine/export/)."""
     mf = folder / MANIFEST
     if mf.is_file():
         try:

@@ -24,7 +24,7 @@ import torch._dynamo  # noqa: F401  (mark_static_address)
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .export_read import AUTOEP_NAMES
+from .export.read import AUTOEP_NAMES
 
 # transformers' generate swaps grouped_mm experts for batched_mm while decoding on GPUs. batched_mm copies the
 # top-k experts' weights of every token: with 64 sequences and top-4, 3 GB per MoE layer per decoded token on

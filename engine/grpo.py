@@ -119,15 +119,13 @@ def model_config(init_from: str | None, init: str | None, recipe: Recipe, tok):
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(init)
-    if init_from is not None:
-        from .export import ExportError, find_tag_dir, recorded_hf_config
+    if init_from is not None:  # a checkpoint (resolve_init found it): planned as the export in main() will read it
+        from .export import ExportError, open_checkpoint
 
-        tag = find_tag_dir(init_from, None)
         try:
-            state = json.loads((tag / checkpoint.STATE_FILE).read_text())
-            return recorded_hf_config(tag, state)
-        except (OSError, ValueError, KeyError, ExportError) as e:
-            raise ConfigError(f"--init_from {init_from}: cannot read the model's config from {tag}: {e}") from None
+            return open_checkpoint(init_from, verify=False).hf_config
+        except ExportError as e:
+            raise ConfigError(f"--init_from {init_from}: cannot be read as a model: {e}") from None
     return make_hf_config(recipe.model, tok)
 
 
@@ -633,7 +631,7 @@ def main(argv=None) -> int:
     if init is None and args.init_from:
         init = str(Path(recipe.run_dir) / "init_hf")
         if world.rank == 0:
-            from .export import export
+            from .export.write import export
 
             export(args.init_from, init, dtype="fp32", force=True)
         dist.barrier()

@@ -43,7 +43,8 @@ def pytest_configure(config):
 RANK_IMPORTS = ("import torch, deepspeed, datasets, torch._inductor.compile_fx\n"
                 "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
                 "import transformers.models.deepseek_v3.modeling_deepseek_v3, transformers.models.qwen3_moe.modeling_qwen3_moe\n"
-                "import engine.pretrain, engine.grpo, engine.export")
+                "import engine.pretrain, engine.grpo, engine.export.write, engine.export.zero3, engine.export.zero12\n"
+                "import engine.export.pipeline")
 
 
 def compile_imports() -> None:
@@ -258,7 +259,7 @@ def run_ranks(n_ranks: int, script, *args, cwd: Path, environ: dict | None = Non
 
 def run_in_process(main, argv: list, capfd, monkeypatch, cwd: Path | None = None,
                    **environ) -> subprocess.CompletedProcess:
-    """A command-line entry point (`engine.pretrain.main`, `engine.export.main`, ...) called in this process, as
+    """A command-line entry point (`engine.pretrain.main`, `engine.export.write.main`, ...) called in this process, as
     `python bin/X argv` would run it, with `environ` set; returns its exit code and what it wrote to the file
     descriptors 1 and 2 (capfd: every write, Python's or a C library's, not only sys.stdout/sys.stderr).
 
@@ -372,9 +373,10 @@ def fp32_zero3(path: Path, preset: str = "deepseek_v3", autoep_size="auto", micr
 
 
 def pretrain_job(tmp: Path, recipe: str, ranks: int, ds: Path, corpus: Path | None = None,
-                 run_name: str = "run") -> tuple[tuple, dict]:
-    """A launch of tests/scripts/pretrain_logits.py (bin/pretrain.py + the trained engine's logits) into tmp/run_name,
-    for `run_ranks`/`launch`, and the dict its fixture returns once it has run (logits still to be read)."""
+                 run_name: str = "run", weights: bool = False) -> tuple[tuple, dict]:
+    """A launch of tests/scripts/pretrain_logits.py (bin/pretrain.py + the trained engine's logits, and with `weights`
+    its gathered parameters and buffers) into tmp/run_name, for `run_ranks`/`launch`, and the dict its fixture
+    returns once it has run (logits still to be read)."""
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "recipe.yaml").write_text(recipe)
     corpus = corpus or small_corpus(tmp / "corpus.jsonl")
@@ -382,15 +384,19 @@ def pretrain_job(tmp: Path, recipe: str, ranks: int, ds: Path, corpus: Path | No
 
     torch.save(fixed_ids(), tmp / "ids.pt")
     common = ["--deepspeed_config", ds, "--config", tmp / "recipe.yaml", "--run_dir", tmp / run_name, "--data", corpus]
-    job = (ranks, PRETRAIN_LOGITS, "--ids", tmp / "ids.pt", "--logits", tmp / "logits.pt", *common)
+    job = (ranks, PRETRAIN_LOGITS, "--ids", tmp / "ids.pt", "--logits", tmp / "logits.pt",
+           *(("--weights", tmp / "weights.pt") if weights else ()), *common)
     return job, {"dir": tmp, "run": tmp / run_name, "ranks": ranks, "common": common, "ds": ds}
 
 
 def finished(run: dict) -> dict:
-    """A pretrain_job's dict once the launch has ended: with the engine's logits and each rank's parameter count."""
+    """A pretrain_job's dict once the launch has ended: with the engine's logits, each rank's parameter count and,
+    when the job saved them, the engine's gathered weights ("weights": engine name -> tensor)."""
     import torch
 
     run["logits"] = torch.load(run["dir"] / "logits.pt")
+    if (run["dir"] / "weights.pt").is_file():
+        run["weights"] = torch.load(run["dir"] / "weights.pt")
     run["params"] = [json.loads((run["dir"] / f"params_rank{r}.json").read_text()) for r in range(run["ranks"])]
     return run
 
@@ -402,11 +408,11 @@ def deepseek_2ranks(tmp_path_factory) -> dict:
     ranks, fp32 ZeRO-3, AutoEP size 2, micro-batch 2, the first 200 corpus documents, `fp32_zero3`'s DS config.
     Returns {"dir", "run" (RUN_DIR: metrics.jsonl, checkpoints/step_00000003 and step_00000005, latest = step 5),
     "ranks": 2, "common" (the pretrain arguments), "ds" (the DS config path), "logits" (the trained engine's logits
-    for conftest.fixed_ids(), 2 x 24 x 512 fp32), "params" (each rank's local parameter count)}. Read only: copy a
-    checkpoint before changing it."""
+    for conftest.fixed_ids(), 2 x 24 x 512 fp32), "params" (each rank's local parameter count), "weights" (the
+    trained engine's gathered parameters and buffers)}. Read only: copy a checkpoint before changing it."""
     tmp = tmp_path_factory.mktemp("shared") / "deepseek2"
     tmp.mkdir(parents=True)
-    job, run = pretrain_job(tmp, SMALL_DEEPSEEK, 2, fp32_zero3(tmp / "ds.json"))
+    job, run = pretrain_job(tmp, SMALL_DEEPSEEK, 2, fp32_zero3(tmp / "ds.json"), weights=True)
     run_ranks(*job, cwd=tmp)
     return finished(run)
 

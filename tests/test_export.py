@@ -1,15 +1,19 @@
-"""bin/zero_to_fp32: real checkpoints (1, 2 and 4 CPU ranks, ZeRO-3 + AutoEP) exported to
-Hugging Face format give the engine's logits; bad input gets one line, exit 2, and leaves the output alone.
+"""bin/zero_to_fp32: real checkpoints (ZeRO-3 + AutoEP on 1, 2 and 4 CPU ranks; ZeRO-2 and ZeRO-1 + AutoEP on 2)
+exported to Hugging Face format give the engine's logits and, tensor for tensor, the engine's own weights; GRPO
+starts from a ZeRO-2 run; bad input gets one line, exit 2, and leaves the output alone.
 
-The runs: tests/scripts/pretrain_logits.py (bin/pretrain.py, then the trained engine's logits for fixed ids), one
-job per layout (conftest.run_ranks: 2 ranks on the rank pool, 1 in this process, 4 a launch of its own); the 2-rank
-DeepSeek-V3 run is conftest's session fixture deepseek_2ranks, shared with tests/test_pipeline.py. bin/zero_to_fp32 runs in this process (engine.export.main, conftest.run_in_process) except in
-test_missing_checkpoint_dir (a fresh process: only the one line on stderr) and the memory test.
+The runs: tests/scripts/pretrain_logits.py (bin/pretrain.py, then the trained engine's logits for fixed ids and, for
+the 2-rank DeepSeek-V3 runs, its gathered weights), one job per layout (conftest.run_ranks: 2 ranks on the rank pool,
+1 in this process, 4 a launch of its own); the 2-rank ZeRO-3 DeepSeek-V3 run is conftest's session fixture
+deepseek_2ranks, shared with tests/test_pipeline.py. bin/zero_to_fp32 runs in this process (engine.export.write.main,
+conftest.run_in_process) except in test_missing_checkpoint_dir (a fresh process: only the one line on stderr), the
+memory test and the script DeepSpeed's is replaced with.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,12 +22,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (ROOT, SMALL_DEEPSEEK, env, finished, fixed_ids, fp32_zero3, launch, pretrain_job, run_in_process,
-                      run_ranks)
+from conftest import (ROOT, SMALL_DEEPSEEK, env, finished, fixed_ids, fp32_zero3, launch, pretrain_job, read_metrics,
+                      run_in_process, run_ranks, write_ds)
 
 sys.path.insert(0, str(ROOT))
 ZERO_TO_FP32 = ROOT / "bin" / "zero_to_fp32"
 PRETRAIN = ROOT / "bin" / "pretrain.py"
+GRPO = ROOT / "bin" / "grpo.py"
+ZERO2 = ROOT / "ds_configs" / "zero2.json"
 TOL = 1e-5
 
 QWEN = """
@@ -92,6 +98,34 @@ def qwen2(tmp_path_factory):
     return finished(run)
 
 
+def fp32_zero12(path: Path, stage: int) -> Path:
+    """ds_configs/zero2.json in fp32 (bf16 dropped), micro-batch 2, AutoEP size 2 with the DeepSeek-V3 preset; stage 1
+    is the same file with zero_optimization.stage 1 (no ZeRO-1 config ships)."""
+    z2 = json.loads(ZERO2.read_text())
+    return write_ds(path, base=ZERO2, drop=("bf16",), train_micro_batch_size_per_gpu=2,
+                    zero_optimization={**z2["zero_optimization"], "stage": stage},
+                    expert_parallel={**z2["expert_parallel"], "preset_model": "deepseek_v3", "autoep_size": 2})
+
+
+def zero12_run(tmp_path_factory, stage: int) -> dict:
+    """conftest.deepseek_2ranks's run (SMALL_DEEPSEEK, 2 ranks on the rank pool, expert parallel 2: each rank holds 2
+    of the 4 experts) under ZeRO stage 1 or 2, with the trained engine's logits and gathered weights."""
+    tmp = tmp_path_factory.mktemp(f"zero{stage}")
+    job, run = pretrain_job(tmp, SMALL_DEEPSEEK, 2, fp32_zero12(tmp / "ds.json", stage), weights=True)
+    run_ranks(*job, cwd=tmp)
+    return finished(run)
+
+
+@pytest.fixture(scope="module")
+def zero2(tmp_path_factory):
+    return zero12_run(tmp_path_factory, 2)
+
+
+@pytest.fixture(scope="module")
+def zero1(tmp_path_factory):
+    return zero12_run(tmp_path_factory, 1)
+
+
 @pytest.fixture(autouse=True)
 def _in_process(capfd, monkeypatch):
     """bin/zero_to_fp32 in this process for every test here (see zero_to_fp32)."""
@@ -106,7 +140,7 @@ CAPTURE = None
 
 def zero_to_fp32(*args) -> subprocess.CompletedProcess:
     """`bin/zero_to_fp32 ARGS`: its main in this process, everything written to fds 1 and 2 captured."""
-    from engine.export import main
+    from engine.export.write import main
 
     return run_in_process(main, list(args), *CAPTURE)
 
@@ -159,14 +193,40 @@ def hf_logits(out: Path, dtype=torch.float32) -> torch.Tensor:
         return model(input_ids=fixed_ids()).logits.float()
 
 
-LAYOUTS = {"deepseek2": (2, 2), "deepseek1": (1, 1), "qwen4": (4, 2), "qwen2": (2, 2), "qwen1": (1, 1)}  # ranks, EP
+def engine_weights_as_hf(weights: dict) -> dict:
+    """The engine's gathered DeepSeek-V3 weights (engine names: AutoEP's router and stacked experts) under Hugging
+    Face's names, written out here independently of engine/export: router.gate.weight -> gate.weight,
+    router.e_score_correction_bias -> gate.e_score_correction_bias, experts.w1/w3 [E, ffn, hidden] -> gate_up_proj =
+    cat(w1, w3) along dim 1, experts.w2 -> down_proj."""
+    out, experts = {}, {}
+    for name, t in weights.items():
+        m = re.fullmatch(r"(.*\.mlp)\.experts\.(w[123])", name)
+        if m:
+            experts.setdefault(m.group(1), {})[m.group(2)] = t
+            continue
+        name = re.sub(r"\.mlp\.router\.gate\.", ".mlp.gate.", name)
+        out[re.sub(r"\.mlp\.router\.e_score_correction_bias$", ".mlp.gate.e_score_correction_bias", name)] = t
+    for moe, w in experts.items():
+        out[f"{moe}.experts.gate_up_proj"] = torch.cat([w["w1"], w["w3"]], dim=1)
+        out[f"{moe}.experts.down_proj"] = w["w2"]
+    return out
+
+
+# ranks, expert-parallel size, ZeRO stage, reader (engine/export/: zero3.py or zero12.py)
+LAYOUTS = {"deepseek2": (2, 2, 3, "zero3"), "deepseek1": (1, 1, 3, "zero3"), "qwen4": (4, 2, 3, "zero3"),
+           "qwen2": (2, 2, 3, "zero3"), "qwen1": (1, 1, 3, "zero3"), "zero2": (2, 2, 2, "zero12"),
+           "zero1": (2, 2, 1, "zero12")}
 
 
 @pytest.mark.parametrize("case", list(LAYOUTS))
 def test_export_gives_the_engines_logits(case, request, tmp_path):
+    from engine.export import layout as reader
+
     run = request.getfixturevalue(case)
-    state = json.loads((latest_tag(run["run"]) / "engine_state.json").read_text())
-    assert (state["world_size"], state["autoep_size"]) == LAYOUTS[case]
+    tag = latest_tag(run["run"])
+    state = json.loads((tag / "engine_state.json").read_text())
+    stage = json.loads(Path(run["ds"]).read_text())["zero_optimization"]["stage"]
+    assert (state["world_size"], state["autoep_size"], stage, reader(tag)) == LAYOUTS[case]
     out = tmp_path / "hf"
     export_ok(run["run"], out)  # a run dir: its checkpoints/latest
 
@@ -191,6 +251,13 @@ def test_export_gives_the_engines_logits(case, request, tmp_path):
     print(f"\n{case}: max abs logit diff engine vs exported HF model = {diff:.3g}")
     assert logits.shape == run["logits"].shape
     assert diff <= TOL
+
+    if "weights" in run:  # the 2-rank DeepSeek-V3 runs: every tensor is the trained engine's own, bitwise
+        engine = engine_weights_as_hf(run["weights"])
+        assert set(tensors) <= set(engine), sorted(set(tensors) - set(engine))
+        differ = [k for k in tensors if not torch.equal(tensors[k], engine[k])]
+        print(f"{case}: {len(tensors) - len(differ)} of {len(tensors)} exported tensors equal the engine's")
+        assert not differ, differ
 
 
 def test_routing_bias_is_trained_and_exported(deepseek2, tmp_path):
@@ -231,10 +298,58 @@ def test_bf16_run_file_names(deepseek2, tmp_path):
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
+# 1 prompt x G=4 per rank per step (micro-batch 4, no accumulation), one step; length_penalty gives the completions
+# of one group different rewards, so the step has advantages to learn from.
+GRPO_RECIPE = """
+data: {path: PROMPTS}
+train: {max_steps: 1, lr: 1.0e-3, warmup_steps: 0, log_every: 1}
+grpo: {group_size: 4, max_new_tokens: 8, temperature: 0.7, beta: 0.04,
+       rewards: [{name: numeric, which: first}, {name: length_penalty, target: 3, scale: 0.1}]}
+checkpoint: {at_end: false}
+"""
+
+
+@pytest.mark.parametrize("source", ["export", "run_dir"])
+def test_grpo_starts_from_a_zero2_run(zero2, source, tmp_path):
+    """bin/grpo.py on 2 ranks (zero2_grpo.json in fp32) from the ZeRO-2 run's Hugging Face export, and from the run
+    dir itself: --init_from RUN_DIR exports it into RUN/init_hf through the same exporter, before training."""
+    from test_grpo import PROMPTS
+
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
+    (tmp_path / "grpo.yaml").write_text(GRPO_RECIPE.replace("PROMPTS", str(tmp_path / "prompts.jsonl")))
+    ds = write_ds(tmp_path / "ds.json", base=ROOT / "ds_configs" / "zero2_grpo.json", drop=("bf16",),
+                  train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=1)
+    hf = tmp_path / "hf"
+    export_ok(zero2["run"], hf)
+    run_ranks(2, GRPO, "--deepspeed_config", ds, "--config", tmp_path / "grpo.yaml", "--init_from",
+              hf if source == "export" else zero2["run"], "--run_dir", tmp_path / "grpo", cwd=tmp_path, timeout=300)
+    rows = read_metrics(tmp_path / "grpo")
+    assert [r["step"] for r in rows] == [1], rows
+    assert all(v == v for v in rows[0].values() if isinstance(v, float)), rows  # no NaN
+    if source == "run_dir":  # what GRPO trained from is the export of the run's `latest`, tensor for tensor
+        a, b = exported_tensors(tmp_path / "grpo" / "init_hf"), exported_tensors(hf)
+        assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_script_beside_the_checkpoints_is_ours(zero2, tmp_path):
+    """DeepSpeed copies its own zero_to_fp32.py (and zero_to_torch.py, which imports it) next to the checkpoints at
+    every save; they cannot export these checkpoints. The engine replaces both with a script that runs
+    bin/zero_to_fp32, found from the checkout that wrote them: run in a fresh process without PYTHONPATH, it exports."""
+    ck = zero2["run"] / "checkpoints"
+    for name in ("zero_to_fp32.py", "zero_to_torch.py"):
+        assert "moe-engine" in (ck / name).read_text() and os.access(ck / name, os.X_OK), name
+    p = subprocess.run([sys.executable, ck / "zero_to_fp32.py", ck, tmp_path / "a", "--quiet"],
+                       env=env(PYTHONPATH=""), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and not p.stdout.strip(), p.stdout + p.stderr
+    export_ok(zero2["run"], tmp_path / "b")
+    a, b = exported_tensors(tmp_path / "a"), exported_tensors(tmp_path / "b")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.parametrize("transposed", [False, True])
 def test_expert_pieces_land_in_place(transposed):
     """Fragments cut anywhere (across experts and rows) assemble HF's fused layout, plain or is_transposed."""
-    from engine.export import _Frag, _Target, _write
+    from engine.export.plan import Frag, Target, place
 
     E, ffn, hidden, ep = 4, 3, 5, 2
     w1, w3, w2 = torch.randn(E, ffn, hidden), torch.randn(E, ffn, hidden), torch.randn(E, hidden, ffn)
@@ -249,8 +364,8 @@ def test_expert_pieces_land_in_place(transposed):
             local = w[owned[r]].reshape(-1)
             cuts = sorted(set(torch.randint(1, local.numel(), (6,), generator=gen).tolist()))
             for a, b in zip([0] + cuts, cuts + [local.numel()]):
-                frag = _Frag(0, 0, b - a, a, _Target(key, kind, owned[r]))
-                assert _write(out[key], frag, local[a:b], transposed) == b - a
+                frag = Frag((), 0, b - a, a, Target(key, kind, owned[r]))
+                assert place(out[key], frag, local[a:b], transposed) == b - a
     assert torch.equal(out["gu"], gate_up) and torch.equal(out["d"], down)
 
 
@@ -365,14 +480,14 @@ def test_truncated_shard(deepseek2, existing_output, tmp_path, which):
 @pytest.mark.parametrize("which", ["optim", "model"])
 def test_flipped_byte_in_a_shard(deepseek2, existing_output, tmp_path, which):
     """Same size, still a readable torch file: only the manifest's zip CRCs (engine/checkpoint.py) catch it."""
-    from engine.export import _load
+    from engine.export.read import load
 
     tag = copy_checkpoint(deepseek2["run"], tmp_path / "copy")
     f = tag / f"zero_pp_rank_1_mp_rank_00_{which}_states.pt"
     size = f.stat().st_size
     flip_byte(f)
     assert f.stat().st_size == size
-    _load(f)  # torch.load reads the flipped value without complaint
+    load(f)  # torch.load reads the flipped value without complaint
     refused(zero_to_fp32(tmp_path / "copy", existing_output, "--force"), f.name, "CRC", "truncated or corrupt")
     untouched(existing_output)
 
@@ -427,5 +542,26 @@ def test_shapes_that_do_not_match_the_recorded_config(deepseek2, existing_output
     state["recipe"]["model"]["moe_intermediate_size"] = 40
     (tag / "engine_state.json").write_text(json.dumps(state))
     reseal(tag)  # not damaged: a consistent checkpoint whose recorded config is not the one its shards have
+    refused(zero_to_fp32(tag, existing_output, "--force"), "does not match", "gate_up_proj")
+    untouched(existing_output)
+
+
+def test_zero12_missing_optimizer_file(zero2, existing_output, tmp_path):
+    """A ZeRO-2 checkpoint without rank 1's optimizer file, its manifest rewritten to match (so the refusal is the
+    ZeRO-1/2 reader's own, not the manifest's)."""
+    tag = copy_checkpoint(zero2["run"], tmp_path / "copy")
+    (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    reseal(tag)
+    refused(zero_to_fp32(tmp_path / "copy", existing_output, "--force"), "2 data-parallel ranks",
+            "optimizer files of ranks [1] are missing")
+    untouched(existing_output)
+
+
+def test_zero12_shapes_that_do_not_match_the_recorded_config(zero2, existing_output, tmp_path):
+    tag = copy_checkpoint(zero2["run"], tmp_path / "copy")
+    state = json.loads((tag / "engine_state.json").read_text())
+    state["recipe"]["model"]["moe_intermediate_size"] = 40
+    (tag / "engine_state.json").write_text(json.dumps(state))
+    reseal(tag)
     refused(zero_to_fp32(tag, existing_output, "--force"), "does not match", "gate_up_proj")
     untouched(existing_output)

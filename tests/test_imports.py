@@ -9,34 +9,48 @@ from pathlib import Path
 ENGINE = Path(__file__).resolve().parent.parent / "engine"
 
 
-def engine_imports(path: Path, package: str = "engine") -> set[str]:
+def module_names(root: Path = ENGINE, package: str = "engine") -> dict[Path, str]:
+    """Every module under `root` (packages too, engine/export/ as well as engine/x.py) -> its dotted name."""
+    out = {}
+    for f in sorted(root.rglob("*.py")):
+        parts = [package, *f.relative_to(root).with_suffix("").parts]
+        out[f] = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    return out
+
+
+def engine_imports(path: Path, package: str = "engine", root: Path | None = None) -> set[str]:
     """The engine modules that the module at `path` imports, anywhere in it: `from .x import y`, `from . import x`,
-    `from engine.x import y`, `import engine.x`, at the top or inside a function."""
-    modules = {p.stem for p in path.parent.glob("*.py")}
+    `from engine.x import y`, `import engine.x`, `from ..x import y` inside a subpackage, at the top or inside a
+    function. An imported name counts as the longest engine module it names (`from .export.read import X`:
+    engine.export.read)."""
+    root = root or path.parent
+    names_of = module_names(root, package)
+    known = set(names_of.values())
+    me = names_of[path]
+    here = me.split(".") if path.name == "__init__.py" else me.split(".")[:-1]  # the package `from .` means
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level > 1:
+            if node.level > len(here):
                 continue  # above the package: not engine's business
-            base = node.module or ""
-            if node.level == 1:
-                base = f"{package}.{base}" if base else package
-            # `from engine import x` / `from . import x` imports the module engine.x when there is one
-            names = [base] + ([f"{base}.{a.name}" for a in node.names] if base == package else [])
+            base = ".".join(here[:len(here) - node.level + 1]) if node.level else ""
+            base = ".".join(p for p in (base, node.module or "") if p)
+            names = [base] + [f"{base}.{a.name}" for a in node.names]  # `from engine import x` imports engine.x
         else:
             continue
         for name in names:
             parts = name.split(".")
-            if parts[0] == package and len(parts) > 1 and parts[1] in modules:
-                found.add(f"{package}.{parts[1]}")
-    found.discard(f"{package}.{path.stem}")
+            hits = [".".join(parts[:i]) for i in range(len(parts), 1, -1) if ".".join(parts[:i]) in known]
+            if hits:
+                found.add(hits[0])
+    found.discard(me)
     return found
 
 
 def import_graph(root: Path = ENGINE) -> dict[str, set[str]]:
-    return {f"engine.{f.stem}": engine_imports(f) for f in sorted(root.glob("*.py")) if f.stem != "__init__"}
+    return {name: engine_imports(f, root=root) for f, name in module_names(root).items() if name != "engine"}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -88,3 +102,22 @@ def test_engine_imports_have_no_cycle():
     assert len(graph) > 10 and graph["engine.pretrain"], graph  # the walk found the modules and their imports
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle in engine/: " + " -> ".join(cycle)
+
+
+def test_export_reads_below_the_loops():
+    """engine/export/ (checkpoint reading, bin/zero_to_fp32) never reaches the training loops: GRPO and pretraining
+    import it, not the other way (STYLE.md), and its layouts sit beneath its one interface."""
+    graph = import_graph()
+    export = {m for m in graph if m == "engine.export" or m.startswith("engine.export.")}
+    assert {"engine.export.zero3", "engine.export.zero12", "engine.export.pipeline"} <= export, sorted(graph)
+    reached, todo = set(), list(export)
+    while todo:
+        for dep in graph.get(todo.pop(), ()):
+            if dep not in reached:
+                reached.add(dep)
+                todo.append(dep)
+    assert not reached & {"engine.grpo", "engine.pretrain", "engine.decoder", "engine.rollout"}, sorted(reached)
+    # the layouts do not know the writer or the interface above them
+    for layout in ("engine.export.zero3", "engine.export.zero12", "engine.export.pipeline", "engine.export.plan",
+                   "engine.export.read"):
+        assert not graph[layout] & {"engine.export", "engine.export.write"}, (layout, graph[layout])

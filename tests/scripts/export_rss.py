@@ -2,7 +2,7 @@
 usage: python tests/scripts/export_rss.py CHECKPOINT_DIR OUTPUT_DIR [zero_to_fp32 options]
 Prints one JSON line, peak RSS (VmHWM) in MiB at three points:
   imports_mib  after importing what the export imports;
-  planned_mib  after planning the export once (engine/export.py:plan_export): it reads every file's metadata,
+  planned_mib  after planning the export once (engine/export: open_checkpoint): it reads every file's metadata,
                loads the tokenizer and builds the transformers model on the meta device, but reads no weights;
   peak_mib     after the whole export (which plans again, then writes the shards).
 VmHWM, not getrusage's ru_maxrss: on Linux ru_maxrss keeps the parent's peak across fork + exec (a child of a
@@ -22,7 +22,8 @@ import safetensors.torch  # noqa: E402,F401  (what the export imports lazily)
 import torch  # noqa: E402,F401
 import transformers  # noqa: E402,F401
 
-from engine import checkpoint, export, pipeline_export  # noqa: E402,F401
+from engine import checkpoint  # noqa: E402,F401
+from engine.export import open_checkpoint, pipeline, plan, write, zero3, zero12  # noqa: E402,F401
 
 
 def peak_mib() -> float:
@@ -33,10 +34,10 @@ def peak_mib() -> float:
 if __name__ == "__main__":
     from engine.proc import exit_now  # skips the interpreter's slow teardown
     figures = {"imports_mib": peak_mib()}
-    args = export.parse_args(sys.argv[1:])
-    export.plan_export(export.find_tag_dir(args.checkpoint_dir, args.tag).resolve(), args.dtype)
+    args = write.parse_args(sys.argv[1:])
+    open_checkpoint(args.checkpoint_dir, args.tag, args.dtype, verify=False)
     figures["planned_mib"] = peak_mib()
-    rc = export.main(sys.argv[1:])
+    rc = write.main(sys.argv[1:])
     figures["peak_mib"] = peak_mib()
     print(json.dumps({"rc": rc, **{k: round(v, 1) for k, v in figures.items()}}), flush=True)
     exit_now(rc)

@@ -1,9 +1,9 @@
-"""What both exporters read and check against: engine/export.py (ZeRO-3 runs) and engine/pipeline_export.py
-(pipeline runs) share it, so neither imports the other for it.
+"""What every checkpoint layout is read with and checked against (the bottom of engine/export/).
 
-DeepSpeed's files are read without running DeepSpeed code (`_load`); the model is the one recorded in the
+DeepSpeed's files are read without running DeepSpeed code (`load`); the model is the one recorded in the
 checkpoint's engine_state.json (`recorded_hf_config`), and the export must match the key set and shapes of a freshly
-built transformers model of that config (`_hf_keys`, `_check_against_config`).
+built transformers model of that config (`hf_keys`, `check_against_config`). AutoEP's module names go back to the
+model's own with `autoep_namer`.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class ExportError(Exception):
     """Bad input: the message is one line saying what, where and how to fix it."""
 
 
-class _Opaque:
+class Opaque:
     """Inert stand-in for a DeepSpeed object pickled into a checkpoint (ZeroStageEnum, LossScaler, ...).
 
     Lets `torch.load(weights_only=True)` read DeepSpeed's files without importing or running DeepSpeed code.
@@ -41,8 +41,8 @@ class _Opaque:
         self.state = state
 
 
-def _load(path: Path, mmap: bool = False):
-    """torch.load(weights_only=True) of a DeepSpeed file; its DeepSpeed objects become _Opaque stand-ins."""
+def load(path: Path, mmap: bool = False):
+    """torch.load(weights_only=True) of a DeepSpeed file; its DeepSpeed objects become Opaque stand-ins."""
     import torch
 
     try:
@@ -51,7 +51,7 @@ def _load(path: Path, mmap: bool = False):
         if foreign:
             raise ExportError(f"{path}: holds objects that are not tensors or DeepSpeed state ({', '.join(foreign)}); "
                               "refusing to unpickle it")
-        with torch.serialization.safe_globals([(_Opaque, n) for n in names]):
+        with torch.serialization.safe_globals([(Opaque, n) for n in names]):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except ExportError:
         raise
@@ -61,7 +61,7 @@ def _load(path: Path, mmap: bool = False):
                           "copy the checkpoint again, or export an older one with --tag") from None
 
 
-def _check_against_config(got: dict, keys: dict, tag_dir: Path) -> None:
+def check_against_config(got: dict, keys: dict, tag_dir: Path) -> None:
     missing = [k for k in keys if k not in got]
     extra = [k for k in got if k not in keys]
     wrong = [(k, got[k], tuple(keys[k][0])) for k in keys if k in got and got[k] != tuple(keys[k][0])]
@@ -81,7 +81,7 @@ def _check_against_config(got: dict, keys: dict, tag_dir: Path) -> None:
                       + "; ".join(what) + f" (was {STATE_FILE} edited, or are files from different runs mixed?)")
 
 
-def _read_state(tag_dir: Path) -> dict:
+def read_state(tag_dir: Path) -> dict:
     f = tag_dir / STATE_FILE
     if not f.is_file():
         raise ExportError(f"{tag_dir}: no {STATE_FILE}, so the model config is unknown (this exporter reads "
@@ -98,8 +98,8 @@ def recorded_hf_config(tag_dir: Path, state: dict):
     """The transformers config of the recorded recipe (engine/model.py:hf_config), dtype left to the caller."""
     import dataclasses
 
-    from .config import ModelConfig
-    from .model import make_hf_config as hf_config
+    from ..config import ModelConfig
+    from ..model import make_hf_config as hf_config
 
     raw = state["recipe"]["model"]
     known = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -131,7 +131,7 @@ def _tokenizer(tag_dir: Path, state: dict):
                       "pad/bos/eos ids come from it")
 
 
-def _hf_keys(cfg, dtype: str):
+def hf_keys(cfg, dtype: str):
     """A freshly built transformers model of `cfg`, on the meta device: its keys, shapes and expert layouts."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -155,3 +155,23 @@ def _hf_keys(cfg, dtype: str):
     del model
     cfg.architectures = [cls]
     return keys, transposed, strict, tied
+
+
+def autoep_namer(moe_paths, names: dict, keys: dict):
+    """engine name -> Hugging Face name: AutoEP's router and shared-expert names (under the MoE blocks at
+    `moe_paths`) back to the model's own (`names`: AUTOEP_NAMES of the model type); other names unchanged."""
+    def hf_name(name: str) -> str:
+        for m in moe_paths:
+            if name.startswith(m + "."):
+                rest = name[len(m) + 1:]
+                if rest.startswith("router.gate."):
+                    return f"{m}.{names['router']}.{rest[len('router.gate.'):]}"
+                if rest == "router.e_score_correction_bias":
+                    cands = [k for k in keys if k.startswith(m + ".") and k.endswith(".e_score_correction_bias")]
+                    return cands[0] if len(cands) == 1 else f"{m}.{names['router']}.e_score_correction_bias"
+                for ours, theirs in (("shared_experts_gate.", names["shared_experts_gate"]),
+                                     ("shared_experts.", names["shared_experts"])):
+                    if rest.startswith(ours) and theirs:
+                        return f"{m}.{theirs}.{rest[len(ours):]}"
+        return name
+    return hf_name
