@@ -23,7 +23,7 @@ from . import checkpoint, curriculum
 from .config import ConfigError, GRPOConfig, Recipe, load_recipe
 from .data import load_tokenizer
 from .ds_config import read_ds_config, resolve_ds_config, zero_stage
-from .grpo_math import GRPOLossConfig, group_advantages, keep_mask, policy_loss, token_entropy, token_logprobs
+from .grpo_math import GRPOLossConfig, group_advantages, keep_mask, policy_loss
 from .metrics import Metrics, print0
 from .model import build_model, make_hf_config
 from .pretrain import forget_zero3_for_transformers, peak_memory_gib, report_error
@@ -248,17 +248,12 @@ def left_pad(texts: list[str], tok, device) -> RolloutRequest:
 
 def forward_logps(engine, ids, attn, temperature: float, with_entropy: bool = False):
     """Per-token log-probs of ids[:, 1:] under `engine`'s logits / temperature (the distribution the rollout sampled
-    from; with grad when enabled), and their entropy (no grad). Positions follow the left padding. One
-    micro-batch's logits are upcast to fp32, nothing more."""
+    from; with grad when enabled), and their entropy (no grad), fp32. Positions follow the left padding. The
+    vocabulary's logits are never held for the whole micro-batch (engine/head.py)."""
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    logits = engine(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits[:, :-1].float()  # (N, T-1, V)
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp = token_logprobs(logits, ids[:, 1:])  # (N, T-1)
-    if not with_entropy:
-        return logp, None
-    with torch.no_grad():  # a metric only: no autograd graph kept for it
-        return logp, token_entropy(logits)
+    out = engine(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False, logprob_targets=ids[:, 1:],
+                 temperature=temperature, with_entropy=with_entropy)  # engine/head.py: a chunk of tokens at a time
+    return out.logprobs, out.entropy  # (N, T-1) each
 
 
 def build_reference(policy, recipe: Recipe, ds: dict, tok):

@@ -11,6 +11,7 @@ import contextlib
 
 import torch
 
+from . import head
 from .config import ModelConfig
 
 
@@ -66,7 +67,7 @@ def build_model(m: ModelConfig, ds_config: dict, tokenizer=None, dtype: torch.dt
                                                      attn_implementation=m.attn_implementation)
     model._hf_ds_config = keep_alive
     model.config.use_cache = False
-    return model
+    return head.install(model)  # loss and log-probs without (tokens x vocabulary) logits
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

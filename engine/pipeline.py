@@ -4,7 +4,7 @@ Selected by a DS config with a "pipeline" section (ds_configs/pipe.json). The Pi
 
     0            Embed            model.embed_tokens
     1 .. L       DecoderLayerPipe transformers' own decoder layer i-1 (+ its rotary embedding and causal mask)
-    L + 1        Head             model.norm + lm_head; the loss is transformers' causal LM loss
+    L + 1        Head             model.norm; its loss applies lm_head (engine/head.py), transformers' causal LM loss
 
 and DeepSpeed gives each stage a contiguous run of them, balanced by decoder layers (stage 0 also holds the
 embedding, the last stage the head). Only activations (B, T, hidden) cross stages, which is the point of the
@@ -29,6 +29,7 @@ import itertools
 import torch
 from torch import nn
 
+from . import head
 from .config import ModelConfig
 from .ds_config import PARTITION, uses_expert_parallel
 
@@ -94,14 +95,14 @@ class Head(nn.Module):
         self.lm_head = _materialize(lm_head, config, device)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))  # (B, T, vocab)
+        return self.norm(hidden)  # (B, T, H): the output layer runs inside the loss, a chunk of tokens at a time
 
-
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """transformers' ForCausalLMLoss, as the ZeRO-3 path's model(input_ids, labels=...) computes it."""
-    from transformers.loss.loss_utils import ForCausalLMLoss
-
-    return ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1])
+    def loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss_fn: transformers' causal LM loss (labels[:, 1:] from positions [:-1], mean over
+        tokens), through engine/head.py without (tokens x vocabulary) logits."""
+        targets = labels[:, 1:].reshape(-1)
+        total = head.cross_entropy(hidden[:, :-1].reshape(-1, hidden.shape[-1]), self.lm_head.weight, targets)
+        return total / (targets != -100).sum().clamp(min=1)
 
 
 def hf_key(name: str, num_layers: int) -> str:
@@ -139,10 +140,11 @@ def build_pipeline(m: ModelConfig, ds: dict, tokenizer=None, dtype: torch.dtype 
              + [LayerSpec(DecoderLayerPipe, layer, rotary_cls, full.config) for layer in base.layers]
              + [LayerSpec(Head, base.norm, full.lm_head, full.config)])
     interval = int(pipe_cfg.get("activation_checkpoint_interval", 0)) or int(activation_checkpointing)
-    module = PipelineModule(specs, num_stages=int(pipe_cfg["stages"]), loss_fn=causal_lm_loss,
+    module = PipelineModule(specs, num_stages=int(pipe_cfg["stages"]), loss_fn=None,  # set below: Head.loss
                             partition_method=pipe_cfg.get("partition", PARTITION),
                             activation_checkpoint_interval=interval,
                             checkpointable_layers=["DecoderLayerPipe"])  # recomputing Embed would lose its grads
+    module.loss_fn = next((f.loss for f in module.forward_funcs if isinstance(f, Head)), None)  # the last stage's
     module.config = full.config  # AutoEP reads num_experts / top_k / routing from model.config
     module.moe_layer_ids = [i for i, layer in enumerate(base.layers) if hasattr(layer.mlp, "experts")]
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from deepspeed.runtime.rollout import HybridEngineRollout, RolloutBatch, RolloutEngine, RolloutRequest, SamplingConfig
 
+from . import head
 from .decoder import Decoder, copy_weights, empty_copy
 
 
@@ -22,7 +23,7 @@ def local_copy(module: torch.nn.Module, device, decode_experts: str = "auto") ->
     """A plain (unpartitioned) HF model holding the policy's current weights (collective over ranks)."""
     model = empty_copy(module, device, decode_experts)
     copy_weights(model, module)
-    return model
+    return head.install(model)
 
 
 class DecoderRollout(RolloutEngine):

@@ -30,8 +30,9 @@ def tiny_model(dtype=torch.float32, attn="sdpa", seed=0):
 
 def test_forward_logps_are_those_of_the_sampling_distribution():
     from engine.grpo import forward_logps
+    from engine.head import install
 
-    model = tiny_model()
+    model = install(tiny_model())  # as engine.model.build_model returns it
     ids = torch.randint(0, 512, (3, 10))
     attn = torch.ones_like(ids)
     attn[0, :4] = 0  # left padding
