@@ -15,7 +15,8 @@ the engine measured one after the other land in one table. Columns:
                  on GPUs, read once after the timed steps, so nothing inside the timed window waits for the
                  device (the host queues work ahead, as in training); wall clock on the CPU
   peak GiB       peak accelerator memory of rank 0 (peak RSS on CPU)
---no_autoep drops the DS config's expert_parallel section: the same HF model under plain ZeRO-3 with its
+--plain_head runs transformers' own forward and loss (the whole micro-batch's logits, fp32 for the loss) instead of
+the engine's chunked output layer (engine/head.py), to compare the two. --no_autoep drops the DS config's expert_parallel section: the same HF model under plain ZeRO-3 with its
 own MoE block (what HF Trainer + DeepSpeed gives). --micro_batch overrides train_micro_batch_size_per_gpu
 ("auto" in the file, as in the shipped zero2.json/zero3.json, is chosen for the device's memory x --memory_fraction).
 --set KEY=VALUE changes the recipe (e.g. train.activation_checkpointing=true), --ds_set KEY=VALUE the DS config
@@ -78,6 +79,8 @@ def main() -> int:
     ap.add_argument("--memory_fraction", type=float, help="cap GPU memory (e.g. 80 GB of an H200: 0.56)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override")
     ap.add_argument("--ds_set", action="append", default=[], metavar="KEY=VALUE", help="DS config override")
+    ap.add_argument("--plain_head", action="store_true",
+                    help="transformers' forward and loss (full logits) instead of engine/head.py's chunked output layer")
     ap.add_argument("--label", default="")
     ap.add_argument("--profile", type=int, default=0, metavar="N")
     ap.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -114,6 +117,10 @@ def main() -> int:
     if args.memory_fraction and acc.device_name() == "cuda":
         torch.cuda.set_per_process_memory_fraction(args.memory_fraction)
     engine, data = pretrain.build(recipe, ds, tok, world)
+    if args.plain_head:
+        from engine.head import uninstall
+
+        uninstall(engine.module)
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     ep = (ds.get("expert_parallel") or {}).get("autoep_size", 1)
     batches = data.micro_batches(micro, *pipeline.data_coords(ds, world.rank, world.size))
@@ -160,7 +167,8 @@ def main() -> int:
     tps = tokens_per_rank / elapsed
     row = {"label": args.label, "recipe": Path(args.config or "tiny.yaml").name, "ds_config": Path(args.deepspeed_config).name,
            "autoep": not args.no_autoep and bool(ds.get("expert_parallel")), "ep": ep, "world": world.size, "stages": pipeline.num_stages(ds),
-           "micro": micro, "accum": accum, "seq": recipe.data.seq_len, "device": acc.device_name(),
+           "micro": micro, "accum": accum, "seq": recipe.data.seq_len, "vocab": engine.module.config.vocab_size,
+           "head": "plain" if args.plain_head else "chunked", "device": acc.device_name(),
            "params_m": round(total / 1e6, 3), "active_m": round(active / 1e6, 3),
            "tokens_per_s_per_gpu": round(tps), "mfu": float(f"{tps * flops_tok / (PEAK_TFLOPS * 1e12):.4g}"),
            **{f"{k}_ms": round(1000 * v / args.steps, 1) if v else None for k, v in times.items()},
@@ -231,7 +239,7 @@ def profile(train_step, steps: int, device: str, path: str, rank: int) -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    cols = ["label", "recipe", "ds_config", "autoep", "world", "ep", "micro", "seq", "params_m", "active_m", "tokens_per_s_per_gpu", "mfu", "fwd_ms",
+    cols = ["label", "recipe", "ds_config", "autoep", "world", "ep", "micro", "seq", "vocab", "head", "params_m", "active_m", "tokens_per_s_per_gpu", "mfu", "fwd_ms",
             "bwd_ms", "step_ms", "peak_gib"]
     widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols]
     print(" | ".join(c.ljust(w) for c, w in zip(cols, widths)))

@@ -10,7 +10,8 @@ A number written in the file is kept as written. On --resume the checkpoint's re
 
 The memory model is analytic, calibrated on peaks measured on one H200 (`max_memory_allocated`, docs/bench/*.jsonl):
 
-    peak = states + fixed(stage) + micro x per_sample
+    peak = states + fixed(stage) + micro x per_sample + head
+    head       = the output layer's loss: one chunk of logits + the output weight's gradient buffers (engine/head.py)
     states     = bytes per parameter of weights, gradients and optimizer state, per ZeRO stage and data-parallel
                  size (dtype-aware: bf16/fp16/fp32 weights, bf16 master weights and Adam moments, optimizer offload)
     per_sample = seq_len x hidden x layers x A                 without activation checkpointing
@@ -141,6 +142,23 @@ def family(cfg: dict, recipe: Recipe, device: str) -> str:
     return "autoep_compiled" if compiled else "autoep_eager"
 
 
+# The output layer (engine/head.py), which the rows above (vocabulary 512) barely see: the logits of one chunk of
+# tokens at a time (at most head.CHUNK_ELEMENTS values: fp32 logits, their bf16 gradient and logsumexp's temporaries,
+# HEAD_CHUNK_BYTES per value) plus the output weight's gradient, accumulated in fp32 and kept in the model's dtype
+# until backward (HEAD_WEIGHT_BYTES per output weight, on top of the gradient the states count).
+HEAD_CHUNK_BYTES = 10
+HEAD_WEIGHT_BYTES = 6
+
+
+def head_gib(recipe: Recipe, micro: int) -> float:
+    """Device memory of the chunked output layer's loss at micro-batch `micro`, GiB."""
+    from .head import CHUNK_ELEMENTS
+
+    m = recipe.model
+    logits = min(CHUNK_ELEMENTS, micro * recipe.data.seq_len * m.vocab_size)
+    return (HEAD_CHUNK_BYTES * logits + HEAD_WEIGHT_BYTES * m.vocab_size * m.hidden_size) / GIB
+
+
 def per_sample_gib(cfg: dict, recipe: Recipe, device: str) -> float:
     m, seq = recipe.model, recipe.data.seq_len
     shared = m.num_shared_experts if m.arch == "deepseek_v3" else 0
@@ -153,7 +171,8 @@ def per_sample_gib(cfg: dict, recipe: Recipe, device: str) -> float:
 
 def predict_peak_gib(cfg: dict, recipe: Recipe, dp: int, micro: int, device: str = "cuda") -> float:
     """Predicted peak device memory of one rank at micro-batch `micro` (cfg: the DS config, autoep_size resolved)."""
-    return states_gib(cfg, recipe, dp) + FIXED_GIB[min(_stage(cfg), 3)] + micro * per_sample_gib(cfg, recipe, device)
+    return (states_gib(cfg, recipe, dp) + FIXED_GIB[min(_stage(cfg), 3)] + micro * per_sample_gib(cfg, recipe, device)
+            + head_gib(recipe, micro))
 
 
 def _stage(cfg: dict) -> int:

@@ -176,3 +176,12 @@ def install(model: torch.nn.Module) -> torch.nn.Module:
         model.forward = types.MethodType(causal_lm_forward, model)
         model.lm_head.forward = types.MethodType(head_forward, model.lm_head)
     return model
+
+
+def uninstall(model: torch.nn.Module) -> torch.nn.Module:
+    """transformers' own forward and output layer again (full logits): for comparing against the plain path."""
+    if getattr(model, "_plain_forward", None) is not None:
+        model.forward = model._plain_forward
+        del model.lm_head.forward  # the class's nn.Linear.forward
+        model._plain_forward = None
+    return model
