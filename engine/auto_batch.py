@@ -143,20 +143,28 @@ def family(cfg: dict, recipe: Recipe, device: str) -> str:
 
 
 # The output layer (engine/head.py), which the rows above (vocabulary 512) barely see: the logits of one chunk of
-# tokens at a time (at most head.CHUNK_ELEMENTS values: fp32 logits, their bf16 gradient and logsumexp's temporaries,
-# HEAD_CHUNK_BYTES per value) plus the output weight's gradient, accumulated in fp32 and kept in the model's dtype
-# until backward (HEAD_WEIGHT_BYTES per output weight, on top of the gradient the states count).
-HEAD_CHUNK_BYTES = 10
-HEAD_WEIGHT_BYTES = 6
+# tokens at a time (at most head.CHUNK_ELEMENTS values: fp32 logits and their gradient in the model's dtype,
+# HEAD_CHUNK_BYTES per value) plus the output weight's gradient (an fp32 accumulator, the GEMM's fp32 result beside
+# it, and the gradient kept in the model's dtype until backward: HEAD_WEIGHT_BYTES per output weight, on top of the
+# gradient the states count).
+HEAD_CHUNK_BYTES = 6
+HEAD_WEIGHT_BYTES = 10
+
+
+CALIBRATED_VOCAB = 512  # the rows above: their output layer's memory is inside FIXED_GIB and ACT already
 
 
 def head_gib(recipe: Recipe, micro: int) -> float:
-    """Device memory of the chunked output layer's loss at micro-batch `micro`, GiB."""
+    """Device memory of the chunked output layer's loss at micro-batch `micro` beyond what the calibration rows (a
+    vocabulary of CALIBRATED_VOCAB) hold, GiB."""
     from .head import CHUNK_ELEMENTS
 
-    m = recipe.model
-    logits = min(CHUNK_ELEMENTS, micro * recipe.data.seq_len * m.vocab_size)
-    return (HEAD_CHUNK_BYTES * logits + HEAD_WEIGHT_BYTES * m.vocab_size * m.hidden_size) / GIB
+    m, tokens = recipe.model, micro * recipe.data.seq_len
+
+    def head(vocab: int) -> float:
+        return HEAD_CHUNK_BYTES * min(CHUNK_ELEMENTS, tokens * vocab) + HEAD_WEIGHT_BYTES * vocab * m.hidden_size
+
+    return max(0.0, head(m.vocab_size) - head(CALIBRATED_VOCAB)) / GIB
 
 
 def per_sample_gib(cfg: dict, recipe: Recipe, device: str) -> float:

@@ -26,11 +26,57 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-CHUNK_ELEMENTS = 2**27  # logits per chunk: 0.5 GiB in fp32; 1,038 tokens at a vocabulary of 129,280
+CHUNK_ELEMENTS = 2**28  # logits per chunk: 1 GiB in fp32; 2,076 tokens at a vocabulary of 129,280
 
 
-def chunk_tokens(vocab: int) -> int:
-    return max(1, CHUNK_ELEMENTS // vocab)
+def chunk_tokens(vocab: int, tokens: int | None = None) -> int:
+    """Tokens per chunk: at most CHUNK_ELEMENTS logits, and (given the total) chunks of equal size, so that a
+    compiled kernel sees at most two shapes."""
+    most = max(1, CHUNK_ELEMENTS // vocab)
+    if tokens is None or tokens <= most:
+        return most if tokens is None else max(tokens, 1)
+    return -(-tokens // -(-tokens // most))
+
+
+def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b as fp32: on CUDA one bf16/fp16 GEMM with an fp32 result (no rounding to the inputs' dtype and no
+    separate upcast pass); elsewhere the product upcast."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return (a @ b).float()
+
+
+def _add_mm32(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """c + a @ b into the fp32 accumulator c (returned; CUDA: the GEMM adds in fp32)."""
+    if a.dtype == torch.float32:
+        return c.addmm_(a, b)
+    if a.is_cuda:
+        return torch.addmm(c, a, b, out_dtype=torch.float32)
+    return c.add_(a @ b)
+
+
+def _loss_and_grad(logits: torch.Tensor, t: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype):
+    """A chunk's cross-entropy sum and its logits' gradient (softmax - one_hot, zero on ignored rows) in `dtype`:
+    logits (n, V) fp32, t / valid (n,). On CUDA compiled into two passes over the logits (logsumexp, then the
+    gradient); eager elsewhere."""
+    lse = torch.logsumexp(logits, dim=-1)  # (n,)
+    loss = torch.where(valid, lse - logits.gather(-1, t[:, None]).squeeze(-1), 0.0).sum()
+    hit = torch.arange(logits.shape[1], device=logits.device)[None, :] == t[:, None]  # (n, V) one-hot
+    g = (torch.exp(logits - lse[:, None]) - hit.to(logits.dtype)) * valid[:, None].to(logits.dtype)
+    return loss, g.to(dtype)
+
+
+_compiled = {}
+
+
+def _loss_and_grad_fn(device: torch.device):
+    if device.type != "cuda":
+        return _loss_and_grad
+    if "fn" not in _compiled:
+        _compiled["fn"] = torch.compile(_loss_and_grad, dynamic=False)
+    return _compiled["fn"]
 
 
 class _CrossEntropy(torch.autograd.Function):
@@ -42,23 +88,27 @@ class _CrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         gh = torch.empty_like(hidden) if grad_h else None
         gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grad_w else None
-        step = chunk_tokens(weight.shape[0])
+        step = chunk_tokens(weight.shape[0], hidden.shape[0])
+        fused = _loss_and_grad_fn(hidden.device)
+        wt = weight.t()
         for s in range(0, hidden.shape[0], step):
             h, t = hidden[s:s + step], targets[s:s + step]
-            logits = F.linear(h, weight).float()  # (n, V), in the model's dtype then fp32, as transformers' loss
+            logits = _mm32(h, wt)  # (n, V) fp32
             valid = t != ignore_index
             t = torch.where(valid, t, 0)
-            lse = torch.logsumexp(logits, dim=-1)  # (n,)
-            total += torch.where(valid, lse - logits.gather(-1, t[:, None]).squeeze(-1), 0.0).sum()
-            if grad_h or grad_w:  # d(sum)/d(logits) = softmax - one_hot, zero on ignored rows; in place of the logits
-                g = logits.sub_(lse[:, None]).exp_()
-                g[torch.arange(len(t), device=g.device), t] -= 1.0
-                g = g.mul_(valid[:, None]).to(hidden.dtype)  # (n, V), as the plain path's linear backward sees it
+            if grad_h or grad_w:  # d(sum)/d(logits) = softmax - one_hot, zero on ignored rows
+                loss, g = fused(logits, t, valid, hidden.dtype)  # g (n, V) in the model's dtype, as autograd's
+                del logits
                 if grad_h:
                     gh[s:s + step] = g @ weight  # (n, H)
                 if grad_w:
-                    gw += g.t() @ h  # (V, H)
-            del logits
+                    gw = _add_mm32(gw, g.t(), h)  # (V, H), accumulated in fp32
+                del g
+            else:
+                lse = torch.logsumexp(logits, dim=-1)
+                loss = torch.where(valid, lse - logits.gather(-1, t[:, None]).squeeze(-1), 0.0).sum()
+                del logits
+            total += loss
         ctx.save_for_backward(gh, None if gw is None else gw.to(weight.dtype))
         return total
 
@@ -74,12 +124,12 @@ class _TokenLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, temperature: float, with_entropy: bool):
         """hidden (N, H), weight (V, H), targets (N,) -> (log p(target) (N,), entropy (N,) or (0,)), fp32, under
         softmax(hidden @ weight.T / temperature)."""
-        N, step = hidden.shape[0], chunk_tokens(weight.shape[0])
+        N, step = hidden.shape[0], chunk_tokens(weight.shape[0], hidden.shape[0])
         logp = torch.empty(N, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(N, dtype=torch.float32, device=hidden.device)
         ent = torch.empty(N if with_entropy else 0, dtype=torch.float32, device=hidden.device)
         for s in range(0, N, step):
-            logits = F.linear(hidden[s:s + step], weight).float()  # (n, V)
+            logits = _mm32(hidden[s:s + step], weight.t())  # (n, V) fp32
             if temperature != 1.0:
                 logits /= temperature
             lse[s:s + step] = torch.logsumexp(logits, dim=-1)
@@ -95,13 +145,13 @@ class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_ent):  # noqa: ARG004  (the entropy has no gradient)
         hidden, weight, targets, lse = ctx.saved_tensors
-        T, step = ctx.temperature, chunk_tokens(weight.shape[0])
+        T, step = ctx.temperature, chunk_tokens(weight.shape[0], hidden.shape[0])
         need_h, need_w = ctx.needs_input_grad[:2]
         gh = torch.empty_like(hidden) if need_h else None
         gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         for s in range(0, hidden.shape[0], step):
             h, t, g = hidden[s:s + step], targets[s:s + step], grad_logp[s:s + step]
-            logits = F.linear(h, weight).float()
+            logits = _mm32(h, weight.t())
             if T != 1.0:
                 logits /= T
             # d logp / d logits = (one_hot - softmax) / T, times the incoming gradient per row; in place of the logits
@@ -111,7 +161,7 @@ class _TokenLogprobs(torch.autograd.Function):
             if need_h:
                 gh[s:s + step] = d @ weight
             if need_w:
-                gw += d.t() @ h
+                gw = _add_mm32(gw, d.t(), h)
             del logits, d
         return gh, None if gw is None else gw.to(weight.dtype), None, None, None
 

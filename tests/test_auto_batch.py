@@ -19,8 +19,10 @@ H200, H200_AT_80GB, H100 = 140.4, 0.5596 * 140.4, 79.65  # GiB: torch's total_me
 
 
 def resolve(ds, recipe="deepseek_2b6", memory=None, device="cuda", world=1, recorded=None, **overrides):
-    """(micro, accum, note) that "auto" resolves to for `ds` (a path or a dict) on `world` devices of `memory` GiB."""
+    """(micro, accum, note) that "auto" resolves to for `ds` (a path or a dict) on `world` devices of `memory` GiB.
+    A shipped recipe by name runs at the vocabulary of 512 its calibration rows were measured at, unless overridden."""
     raw = read_ds_config(ds) if not isinstance(ds, dict) else ds
+    overrides = {"model.vocab_size": 512, **overrides}
     r = recipe if not isinstance(recipe, str) else load_recipe(RECIPES / f"{recipe}.yaml", overrides)
     auto = AutoBatch(memory_gib=memory, recorded=recorded)
     cfg = resolve_ds_config(raw, r, world_size=world, ranks_per_node=min(world, 8), device=device, auto_batch=auto)
@@ -139,7 +141,8 @@ def test_resume_reads_the_recorded_values_from_latest(tmp_path):
 
 def test_the_model_reproduces_the_peaks_it_was_fitted_on():
     """The measured rows (docs/bench/bench_*.jsonl, one H200, seq 2048) against the model, in GiB."""
-    r26, r53 = load_recipe(RECIPES / "deepseek_2b6.yaml"), load_recipe(RECIPES / "deepseek_5b3.yaml")
+    at512 = {"model.vocab_size": 512}  # the vocabulary the rows were measured at
+    r26, r53 = load_recipe(RECIPES / "deepseek_2b6.yaml", at512), load_recipe(RECIPES / "deepseek_5b3.yaml", at512)
     z2, z3 = read_ds_config(ZERO2), read_ds_config(ZERO3)
     for cfg in (z2, z3):
         cfg["expert_parallel"]["autoep_size"] = 1
@@ -168,7 +171,9 @@ def test_parameter_counts_match_the_built_models():
         total = sum(p.numel() for p in model.parameters())
         experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
         assert param_counts(m) == (total, experts), path.name
-    assert param_counts(load_recipe(RECIPES / "deepseek_2b6.yaml").model)[0] == 2_590_255_104  # docs/benchmarks.md
+    r = load_recipe(RECIPES / "deepseek_2b6.yaml")
+    assert param_counts(r.model)[0] == 3_117_688_832  # at a vocabulary of 129,280
+    assert param_counts(load_recipe(RECIPES / "deepseek_2b6.yaml", {"model.vocab_size": 512}).model)[0] == 2_590_255_104
 
 
 def test_more_gpus_split_the_states():
