@@ -43,8 +43,11 @@ def main() -> None:
     with torch.no_grad():
         if pipeline.is_pipeline(ds):
             engine.reset_activation_shape()  # the stages keep training's activation shapes (seq_len) otherwise
-            _, logits = engine.eval_batch(iter([(ids, ids)]), return_logits=True, num_micro_batches=1)
+            _, hidden = engine.eval_batch(iter([(ids, ids)]), return_logits=True, num_micro_batches=1)
             last = engine.is_last_stage()
+            if last:  # the last stage outputs the normed hidden state; its loss applies the output layer
+                head = next(f for f in engine.module.forward_funcs if isinstance(f, pipeline.Head))
+                logits = head.lm_head(hidden)
         else:
             logits, last = engine(input_ids=ids.to(engine.device)).logits, world.rank == 0
     count = sum(p.numel() for p in engine.module.parameters())
