@@ -7,7 +7,6 @@ world size or expert-parallel size it converts `latest` to DeepSpeed's universal
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 import torch
@@ -22,6 +21,7 @@ from .ds_config import compile_blocker, read_ds_config, resolve_ds_config, zero_
 from .metrics import Metrics, print0
 from .model import build_model
 from .parallel import World, build_engine, device_kind, init_distributed, model_dtype, world_from_env
+from .proc import print_error
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -265,14 +265,15 @@ def zero_step(engine, batches, accum: int, position: int) -> tuple[int, torch.Te
 
 
 def report_error(e: Exception, world: World) -> None:
-    """One line on stderr: from rank 0, and from each other node's first rank (node-local disks can differ)."""
+    """One line on stderr, after the launcher's own lines (engine/proc.py: print_error): from rank 0, and from each
+    other node's first rank (node-local disks can differ)."""
     import os
     import socket
 
     if world.rank == 0:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        print_error(f"error: {e}")
     elif os.environ.get("LOCAL_RANK", "0") == "0":
-        print(f"error on {socket.gethostname()} (rank {world.rank}): {e}", file=sys.stderr, flush=True)
+        print_error(f"error on {socket.gethostname()} (rank {world.rank}): {e}")
 
 
 def peak_memory_gib() -> float:
@@ -310,7 +311,7 @@ def main(argv=None) -> int:
         return 2
     except DataStop as e:  # bad data found by some ranks while streaming; each of them says what it could not read
         if e.error is not None:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            print_error(f"error: {e}")
         return 1
     finally:
         forget_zero3_for_transformers()
