@@ -52,15 +52,20 @@ def overrides(args: argparse.Namespace) -> dict:
 def preflight(args: argparse.Namespace, world: World):
     """Everything that can be checked before any rank does work; raises one ConfigError naming every problem.
 
-    The recipe, the DS JSON, the data path and the tokenizer are each checked even when another is broken; what
-    depends on a broken piece (the DS config against the recipe, the resume checks) is checked once it is fixed.
+    The recipe, the DS JSON, the data path and the tokenizer are each checked even when another is broken (the data
+    and tokenizer of a recipe with problems elsewhere too); what depends on a broken piece (the DS config against
+    the recipe, the resume checks) is checked once it is fixed.
     """
     problems = []
     recipe = raw = ds = tok = None
+    data = None  # the recipe's data section, once it is known to be valid
     try:
         recipe = load_recipe(args.config, overrides(args))
+        data = recipe.data
     except ConfigError as e:
         problems.append(str(e))
+        if getattr(e, "recipe", None) is not None and "data" not in e.sections:
+            data = e.recipe.data
     try:
         raw = read_ds_config(args.deepspeed_config)
     except ConfigError as e:
@@ -79,16 +84,16 @@ def preflight(args: argparse.Namespace, world: World):
                                    where=f"DeepSpeed config {args.deepspeed_config}", device=device, auto_batch=auto)
         except ConfigError as e:
             problems.append(str(e))
-    if recipe is not None:
+    if data is not None:
         try:
-            tok = load_tokenizer(recipe.data.tokenizer)
-            if len(tok) > recipe.model.vocab_size and not recipe.model.init_from:
+            tok = load_tokenizer(data.tokenizer)
+            if recipe is not None and len(tok) > recipe.model.vocab_size and not recipe.model.init_from:
                 problems.append(f"data.tokenizer has {len(tok)} tokens but model.vocab_size is "
                                 f"{recipe.model.vocab_size}; raise model.vocab_size to at least {len(tok)}")
         except ConfigError as e:
             problems.append(str(e))
         batch, dp = (ds["train_batch_size"], pipeline.data_coords(ds, 0, world.size)[1]) if ds else (None, world.size)
-        problems += check_corpus(recipe.data, tok, batch, dp)  # files, rows, encoding, tokens (a bounded sample)
+        problems += check_corpus(data, tok, batch, dp)  # files, rows, encoding, tokens (a bounded sample)
     if ds is not None and recipe.resume:
         found, universal = checkpoint.check_resume(recipe, ds, world.size, world.rank)
         problems += found
