@@ -11,8 +11,8 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "torch==2.13.0",           # pinned: a fresh machine installs a known build (CPU here, CUDA on GPU hosts)
-        "deepspeed==0.19.8",       # AutoEP + ZeRO-3 as measured in shared/DESIGN.md
-        "transformers>=5.17,<5.18",  # tested with AutoEP; 5.24 breaks it (DESIGN.md)
+        "deepspeed==0.19.8",       # AutoEP + ZeRO-3 together, as the engine uses them (tested with this release)
+        "transformers>=5.17,<5.18",  # tested with AutoEP; 5.24 breaks it (_CanRecordRegistry.get() TypeError)
         "accelerate>=1.1",         # transformers' DeepSpeed integration (HfDeepSpeedConfig) requires it
         "datasets>=5.2,<6",
         "pyyaml>=6",

@@ -41,6 +41,7 @@ from engine.ds_config import read_ds_config, resolve_ds_config  # noqa: E402
 from engine.data import load_tokenizer, to_device  # noqa: E402
 from engine.parallel import device_kind, init_distributed, world_from_env  # noqa: E402
 from engine import pipeline, pretrain  # noqa: E402
+from engine.proc import print_error  # noqa: E402
 
 PEAK_TFLOPS = 989.0
 
@@ -106,7 +107,7 @@ def main() -> int:
         tok = load_tokenizer(recipe.data.tokenizer)
     except ConfigError as e:
         if world.rank == 0:
-            print(f"error: {e}", file=sys.stderr)
+            print_error(f"error: {e}")
         return 2
     if auto.note and world.rank == 0:
         print(auto.note, flush=True)

@@ -326,7 +326,11 @@ def load_recipe(path: str | Path | None = None, overrides: dict | None = None) -
     recipe = _fill(Recipe, raw, "", problems)
     problems += validate(recipe)
     if problems:
-        raise ConfigError(f"recipe {path}: " + "; ".join(problems))
+        e = ConfigError(f"recipe {path}: " + "; ".join(problems))
+        # what preflight can still check: the sections named by no problem (engine/pretrain.py checks the data)
+        e.recipe = recipe if isinstance(raw, dict) else None
+        e.sections = {q.split(".")[0].split(":")[0] for q in problems}
+        raise e
     return recipe
 
 

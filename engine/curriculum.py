@@ -208,7 +208,7 @@ def document_keys(c: DataCurriculumConfig, docs, token_ids: list, path: str) -> 
     scores = docs[c.score_column]
     for i, v in enumerate(scores):
         if not isinstance(v, numbers.Real) or isinstance(v, bool) or not math.isfinite(v):
-            raise ConfigError(f"data.curriculum.score_column {c.score_column!r}: row {i} of {path} has {v!r:.40}, not "
+            raise ConfigError(f"data.curriculum.score_column {c.score_column!r}: row {i + 1} of {path} has {v!r:.40}, not "
                               "a finite number; fix that row")
     return np.asarray(scores, dtype=np.float64)
 

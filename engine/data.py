@@ -172,7 +172,7 @@ class StreamedSequences:
             except StopIteration:
                 break
             except Exception as e:  # noqa: BLE001  (datasets and pyarrow raise many kinds)
-                raise ConfigError(f"data.path {self.d.path}: cannot read row {i} of rank {self.rank}'s share "
+                raise ConfigError(f"data.path {self.d.path}: cannot read row {i + 1} of rank {self.rank}'s share "
                                   f"(epoch {epoch}): {cause(e)}; fix the file") from None
             yield row
             i += 1
@@ -185,7 +185,7 @@ class StreamedSequences:
         buf: list[int] = []
         for epoch in itertools.count():
             for i, row in enumerate(self.rows(epoch)):
-                where = f"the row {json.dumps(row, default=str)[:80]} (row {i} of rank {self.rank}'s shuffled share)"
+                where = f"the row {json.dumps(row, default=str)[:80]} (row {i + 1} of rank {self.rank}'s shuffled share)"
                 text = as_text(row.get(self.d.text_field), self.d, where)
                 buf += self.tok(text)["input_ids"] + [eos]
                 while len(buf) >= n:
@@ -265,7 +265,7 @@ def build_data(d: DataConfig, tokenizer, rank: int, world: int, seed: int):
         return StreamedSequences(docs, tokenizer, d, rank, world, seed)
 
     def tokenize(batch: dict, rows: list[int]) -> dict:
-        texts = [as_text(t, d, f"row {i}") for i, t in zip(rows, batch[d.text_field])]
+        texts = [as_text(t, d, f"row {i + 1}") for i, t in zip(rows, batch[d.text_field])]
         return {"ids": tokenizer(texts)["input_ids"]}
 
     tokenized = docs.map(tokenize, batched=True, with_indices=True, remove_columns=docs.column_names, desc="tokenizing")

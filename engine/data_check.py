@@ -180,7 +180,8 @@ def read_rows(f: str, fields: dict, limit: int, s: Sample) -> str | None:
         s.texts += lines
         s.rows += len(lines)
         return None
-    numbered = [(f"line {i}", _parse(line)) for i, line in enumerate(lines, 1) if line.strip()]
+    # rows count from 1, as datasets reads them (blank lines are no rows): row N is the N-th non-blank line
+    numbered = [(f"row {i}", _parse(line)) for i, line in enumerate((ln for ln in lines if ln.strip()), 1)]
     if f.endswith(".json") and numbered and not isinstance(numbered[0][1], dict):  # not JSON lines: one document
         if not whole:
             return None  # one big JSON document is not checkable from its head; checked when loaded
@@ -189,8 +190,8 @@ def read_rows(f: str, fields: dict, limit: int, s: Sample) -> str | None:
             return f"is neither JSON lines nor one JSON document ({doc})"
         if isinstance(doc, dict) and all(isinstance(v, list) for v in doc.values()):  # columns of values
             doc = [dict(zip(doc, r)) for r in zip(*doc.values())]
-        numbered = [(f"row {i}", r) for i, r in enumerate(doc if isinstance(doc, list) else [doc])]
-    unit = numbered[0][0].split()[0] + "s" if numbered else "rows"
+        numbered = [(f"row {i}", r) for i, r in enumerate(doc if isinstance(doc, list) else [doc], 1)]
+    unit = "rows"
     s.columns[f] = {k for _, row in numbered if isinstance(row, dict) for k in row}
     return check_rows(numbered, fields, s, unit if whole else f"first {unit}")
 

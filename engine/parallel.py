@@ -5,8 +5,11 @@ the model's MoE blocks for AutoEP layers (expert parallelism), then wraps everyt
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +41,7 @@ def init_distributed() -> None:
                           MASTER_PORT=os.environ.get("MASTER_PORT", str(29500 + os.getpid() % 1000)))
     skip_cpu_shm_op()
     quick_cpu_info()
+    quiet_torch_deprecations_in_deepspeed()
     deepspeed.init_distributed()
     release_shm_names()
     # DeepSpeed's own process groups wait up to torch's default timeout (10-30 min) on a dead peer; the watchdog
@@ -47,6 +51,21 @@ def init_distributed() -> None:
 
     if get_accelerator().device_name() == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+# torch 2.13 deprecates the two collectives DeepSpeed 0.19.8's ZeRO runs on (deepspeed/comm/torch.py picks them by
+# hasattr: get_all_gather_function, get_reduce_scatter_function), and says so on every rank's first ZeRO-3 gather
+# and gradient reduce. Nothing this engine can pass or configure avoids the calls, so exactly these two warnings
+# are ignored; any other FutureWarning still shows.
+TORCH_DEPRECATIONS_IN_DEEPSPEED = (
+    r"`torch\.distributed\.all_gather_into_tensor` is deprecated\. Please use `torch\.distributed\.all_gather_single`",
+    r"`torch\.distributed\.reduce_scatter_tensor` is deprecated\. Please use `torch\.distributed\.reduce_scatter_single`",
+)
+
+
+def quiet_torch_deprecations_in_deepspeed() -> None:
+    for message in TORCH_DEPRECATIONS_IN_DEEPSPEED:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
 
 
 def skip_cpu_shm_op() -> None:
@@ -161,13 +180,43 @@ def build_engine(model: torch.nn.Module, ds_config: dict, train=None):
     if train is not None:
         mult = lr_multiplier(train)
         schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, mult)  # noqa: E731
-    engine, *_ = deepspeed.initialize(model=model, config=ds_config, lr_scheduler=schedule,
-                                      model_parameters=model.parameters() if train is not None else None)
+    with autoep_size_one_is_intended(ds_config):
+        engine, *_ = deepspeed.initialize(model=model, config=ds_config, lr_scheduler=schedule,
+                                          model_parameters=model.parameters() if train is not None else None)
     if compiles_parameter_free(ds_config, train):
         done = compile_parameter_free(engine.module)
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"compile: parameter-free functions only under ZeRO-3: {', '.join(done)}", flush=True)
     return engine
+
+
+AUTOEP_SIZE_ONE = "autoep_size=1 means every rank owns all experts with no AllToAll."
+
+
+@contextmanager
+def autoep_size_one_is_intended(ds_config: dict):
+    """Drop DeepSpeed's warning that `expert_parallel.autoep_size` is 1, for this deepspeed.initialize.
+
+    autoep_size 1 (what "auto" gives on one rank, or wherever no larger size divides the experts and the ranks) is
+    meant: the MoE blocks still become the same AutoEP layers as on N ranks (the only DeepSpeed MoE that runs under
+    ZeRO-3, with the same checkpoint layout), just without the all-to-all. Turning AutoEP off instead would change the
+    model's code path and its checkpoints. DeepSpeed (runtime/engine.py -> validate_autoep_config) logs the warning
+    on every rank and has no setting for it: this filters exactly that message of DeepSpeed's logger, nothing else.
+    """
+    from deepspeed.utils import logger
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(AUTOEP_SIZE_ONE)
+
+    ep = ds_config.get("expert_parallel") or {}
+    quiet = ep.get("enabled") and ep.get("autoep_size") == 1
+    if quiet:
+        logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        if quiet:
+            logger.removeFilter(keep)
 
 
 def compiles_parameter_free(ds_config: dict, train) -> bool:

@@ -7,7 +7,6 @@ world size or expert-parallel size it converts `latest` to DeepSpeed's universal
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from .ds_config import compile_blocker, read_ds_config, resolve_ds_config, zero_
 from .metrics import Metrics, print0
 from .model import build_model
 from .parallel import World, build_engine, device_kind, init_distributed, model_dtype, world_from_env
+from .proc import print_error
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,15 +53,20 @@ def overrides(args: argparse.Namespace) -> dict:
 def preflight(args: argparse.Namespace, world: World):
     """Everything that can be checked before any rank does work; raises one ConfigError naming every problem.
 
-    The recipe, the DS JSON, the data path and the tokenizer are each checked even when another is broken; what
-    depends on a broken piece (the DS config against the recipe, the resume checks) is checked once it is fixed.
+    The recipe, the DS JSON, the data path and the tokenizer are each checked even when another is broken (the data
+    and tokenizer of a recipe with problems elsewhere too); what depends on a broken piece (the DS config against
+    the recipe, the resume checks) is checked once it is fixed.
     """
     problems = []
     recipe = raw = ds = tok = None
+    data = None  # the recipe's data section, once it is known to be valid
     try:
         recipe = load_recipe(args.config, overrides(args))
+        data = recipe.data
     except ConfigError as e:
         problems.append(str(e))
+        if getattr(e, "recipe", None) is not None and "data" not in e.sections:
+            data = e.recipe.data
     try:
         raw = read_ds_config(args.deepspeed_config)
     except ConfigError as e:
@@ -80,16 +85,16 @@ def preflight(args: argparse.Namespace, world: World):
                                    where=f"DeepSpeed config {args.deepspeed_config}", device=device, auto_batch=auto)
         except ConfigError as e:
             problems.append(str(e))
-    if recipe is not None:
+    if data is not None:
         try:
-            tok = load_tokenizer(recipe.data.tokenizer)
-            if len(tok) > recipe.model.vocab_size and not recipe.model.init_from:
+            tok = load_tokenizer(data.tokenizer)
+            if recipe is not None and len(tok) > recipe.model.vocab_size and not recipe.model.init_from:
                 problems.append(f"data.tokenizer has {len(tok)} tokens but model.vocab_size is "
                                 f"{recipe.model.vocab_size}; raise model.vocab_size to at least {len(tok)}")
         except ConfigError as e:
             problems.append(str(e))
         batch, dp = (ds["train_batch_size"], pipeline.data_coords(ds, 0, world.size)[1]) if ds else (None, world.size)
-        problems += check_corpus(recipe.data, tok, batch, dp)  # files, rows, encoding, tokens (a bounded sample)
+        problems += check_corpus(data, tok, batch, dp)  # files, rows, encoding, tokens (a bounded sample)
     if ds is not None and recipe.resume:
         found, universal = checkpoint.check_resume(recipe, ds, world.size, world.rank)
         problems += found
@@ -268,14 +273,15 @@ def zero_step(engine, batches, accum: int, position: int) -> tuple[int, torch.Te
 
 
 def report_error(e: Exception, world: World) -> None:
-    """One line on stderr: from rank 0, and from each other node's first rank (node-local disks can differ)."""
+    """One line on stderr, after the launcher's own lines (engine/proc.py: print_error): from rank 0, and from each
+    other node's first rank (node-local disks can differ)."""
     import os
     import socket
 
     if world.rank == 0:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        print_error(f"error: {e}")
     elif os.environ.get("LOCAL_RANK", "0") == "0":
-        print(f"error on {socket.gethostname()} (rank {world.rank}): {e}", file=sys.stderr, flush=True)
+        print_error(f"error on {socket.gethostname()} (rank {world.rank}): {e}")
 
 
 def peak_memory_gib() -> float:
@@ -313,7 +319,7 @@ def main(argv=None) -> int:
         return 2
     except DataStop as e:  # bad data found by some ranks while streaming; each of them says what it could not read
         if e.error is not None:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            print_error(f"error: {e}")
         return 1
     finally:
         forget_zero3_for_transformers()

@@ -212,7 +212,7 @@ def test_a_score_that_is_not_a_number_is_named_where_the_data_is_loaded(tmp_path
     (tmp_path / "d.jsonl").write_text('{"text": "a b", "difficulty": 1}\n{"text": "c d", "difficulty": "hard"}\n')
     with pytest.raises(ConfigError) as e:
         build(tmp_path / "d.jsonl", "score", "difficulty")
-    assert str(e.value) == (f"data.curriculum.score_column 'difficulty': row 1 of {tmp_path / 'd.jsonl'} has 'hard', "
+    assert str(e.value) == (f"data.curriculum.score_column 'difficulty': row 2 of {tmp_path / 'd.jsonl'} has 'hard', "
                             "not a finite number; fix that row")
 
 

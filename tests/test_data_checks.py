@@ -72,7 +72,7 @@ def test_one_line_txt_says_how_many_tokens_it_has_and_one_step_needs(tmp_path, m
 def test_jsonl_row_without_text_names_the_first_bad_row_and_counts_them(tmp_path, monkeypatch, capfd):
     f = jsonl(tmp_path / "c.jsonl", [{"text": STORY}, {"body": STORY}, {"text": None}, {"text": 5}, {"text": STORY}])
     line = pretrain_refuses(tmp_path, monkeypatch, capfd, f)
-    assert f"data.path {f}: line 2 has no 'text' (keys: ['body']) (bad: 3 of the 5 lines); fix those rows or " \
+    assert f"data.path {f}: row 2 has no 'text' (keys: ['body']) (bad: 3 of the 5 rows); fix those rows or " \
            "set data.text_field" in line
 
 
@@ -113,8 +113,8 @@ def test_a_bad_file_in_a_folder_is_named_with_the_other_problems(tmp_path, monke
     line = pretrain_refuses(tmp_path, monkeypatch, capfd, tmp_path / "docs",
                             ds=write_ds(tmp_path / "ds.json", train_batch_size=10))
     assert "train_batch_size (10) != " in line  # the DS config's problem, in the same line
-    assert f"data.path {tmp_path}/docs: {tmp_path}/docs/b.jsonl: line 2 is not valid JSON (" in line
-    assert "(bad: 1 of the 3 lines)" in line
+    assert f"data.path {tmp_path}/docs: {tmp_path}/docs/b.jsonl: row 2 is not valid JSON (" in line
+    assert "(bad: 1 of the 3 rows)" in line
     assert f"; {tmp_path}/docs/c.jsonl has the column(s) ['source'] that the first file {tmp_path}/docs/a.jsonl has " \
            "not (1 such files); datasets reads every file with the first one's columns" in line
 
@@ -160,7 +160,7 @@ def test_map_style_rows_past_the_checked_head_are_named_when_tokenized(tmp_path)
     rows = [{"text": f"{STORY} {i}"} for i in range(40)]
     rows[33] = {"text": None}
     d = DataConfig(path=jsonl(tmp_path / "c.jsonl", rows), seq_len=32)
-    with pytest.raises(ConfigError, match=r"data.path .*c.jsonl: row 33 has text = None, not a string; fix that row"):
+    with pytest.raises(ConfigError, match=r"data.path .*c.jsonl: row 34 has text = None, not a string; fix that row"):
         build_data(d, load_tokenizer(d.tokenizer), 0, 1, 0)
 
 
@@ -208,12 +208,12 @@ def test_packed_corpus_is_cached_and_a_changed_file_is_packed_again(tmp_path, mo
 # GRPO prompt files: data.path and grpo.eval_path.
 @pytest.mark.parametrize("case, expect", [
     ("empty", "data.path {f}: the file is empty (0 bytes)"),
-    ("no_answer", "data.path {f}: line 2 has no 'answer' (keys: ['prompt']) (bad: 1 of the 2 lines); fix those"),
-    ("no_prompt", "data.path {f}: line 1 has no 'prompt' (keys: ['answer', 'question'])"),
-    ("list_prompt", "data.path {f}: line 2 has 'prompt' = [\"Q: 1 + 1\"], a list, not a string"),
-    ("dict_answer", "data.path {f}: line 1 has 'answer' = {{\"value\": 2}}, a dict, not a string or number"),
+    ("no_answer", "data.path {f}: row 2 has no 'answer' (keys: ['prompt']) (bad: 1 of the 2 rows); fix those"),
+    ("no_prompt", "data.path {f}: row 1 has no 'prompt' (keys: ['answer', 'question'])"),
+    ("list_prompt", "data.path {f}: row 2 has 'prompt' = [\"Q: 1 + 1\"], a list, not a string"),
+    ("dict_answer", "data.path {f}: row 1 has 'answer' = {{\"value\": 2}}, a dict, not a string or number"),
     ("empty_eval", "grpo.eval_path {f}: the file is empty (0 bytes); put the data in it or point grpo.eval_path"),
-    ("eval_no_answer", "grpo.eval_path {f}: line 1 has no 'answer'"),
+    ("eval_no_answer", "grpo.eval_path {f}: row 1 has no 'answer'"),
 ])
 def test_bad_prompt_files_are_one_line(tmp_path, monkeypatch, capfd, case, expect):
     from engine.grpo import main

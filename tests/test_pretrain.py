@@ -214,6 +214,7 @@ TINY = (RECIPES / "tiny.yaml").read_text()
     ("compile_bad_value", "train.compile: 'fast' is not one of true, false, auto"),
     ("recipe_and_json_together", "train.max_step: unknown key"),
     ("ds_and_data_together", "train_batch_size (10) != "),
+    ("recipe_and_data_together", "train.max_step: unknown key"),
     ("negative_checkpoint_every", "checkpoint: every_steps and every_minutes must be >= 0"),
 ])
 def test_bad_input_is_one_clear_line_before_any_work(tmp_path, case, expect, capfd, monkeypatch):
@@ -223,7 +224,7 @@ def test_bad_input_is_one_clear_line_before_any_work(tmp_path, case, expect, cap
     assert p.returncode == 2, p.stderr[-2000:]
     if case == "recipe_and_json_together":
         assert f"; DeepSpeed config {tmp_path / 'ds.json'}: malformed JSON at line 1" in p.stderr, p.stderr
-    if case == "ds_and_data_together":
+    if case in ("ds_and_data_together", "recipe_and_data_together"):
         assert "data.path /nonexistent/corpus.jsonl: no such file or folder" in p.stderr, p.stderr
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], p.stderr
@@ -268,6 +269,9 @@ def bad_input(tmp_path, case: str, run):
         recipe = TINY.replace("max_steps: 600", "max_step: 600")
         ds = tmp_path / "ds.json"
         ds.write_text('{"train_micro_batch_size_per_gpu": 8,, }')
+    elif case == "recipe_and_data_together":  # a recipe with a problem outside its data section: the data is checked
+        recipe = TINY.replace("max_steps: 600", "max_step: 600")
+        args = ["--data", "/nonexistent/corpus.jsonl"]
     elif case == "ds_and_data_together":
         ds = write_ds(tmp_path / "ds.json", train_batch_size=10)
         args = ["--data", "/nonexistent/corpus.jsonl"]

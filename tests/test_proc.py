@@ -58,3 +58,29 @@ def test_exit_now_leaves_the_usual_way_under_a_profiler(tmp_path):
                         str(tmp_path / "out.txt")], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert (tmp_path / "prof.out").stat().st_size > 0 and (tmp_path / "out.txt").read_text() == "written"
+
+
+def test_a_refused_launch_ends_with_its_error_line(tmp_path):
+    """Through the real launcher, 2 ranks refusing a bad recipe value in preflight, stdout and stderr in one stream
+    as a terminal shows them: the launcher's lines ("Killing subprocess", "[ERROR] ... exits with return code = 2")
+    come first, the one `error:` line last (engine/proc.py: print_error), and the exit code stays 2."""
+    from conftest import DEEPSPEED, free_port
+
+    cmd = [DEEPSPEED, "--master_port", str(free_port()), "--num_gpus", "2", str(ROOT / "bin" / "pretrain.py"),
+           "--deepspeed_config", str(ROOT / "ds_configs" / "zero3.json"), "--max_steps", "0",
+           "--run_dir", str(tmp_path / "run")]
+    p = subprocess.run(cmd, cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       timeout=300)
+    lines = [line for line in p.stdout.splitlines() if line.strip()]
+    assert p.returncode == 2, p.stdout[-3000:]
+    assert "exits with return code = 2" in p.stdout, p.stdout[-3000:]  # the launcher did print its lines
+    assert [line for line in lines if "error:" in line] == [lines[-1]], p.stdout[-3000:]
+    assert lines[-1].startswith("error: recipe ") and "train.max_steps: must be >= 1, got 0" in lines[-1], lines[-1]
+    assert not (tmp_path / "run").exists()
+
+
+def test_print_error_without_a_launcher_writes_at_once(capfd):
+    from engine.proc import print_error
+
+    print_error("error: something")
+    assert capfd.readouterr().err == "error: something\n"
