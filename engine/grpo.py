@@ -65,7 +65,7 @@ def load_prompts(path: str, where: str = "data.path") -> list[dict]:
     rows = [{"prompt": r["prompt"], "answer": r["answer"]} for r in ds]
     bad = [(i, why) for i, why in enumerate(map(lambda r: row_problem(r, PROMPT_FIELDS), rows)) if why]
     if bad:  # past the head checked above: every row is in memory now
-        raise ConfigError(f"{where} {path}: row {bad[0][0]} {bad[0][1]} (bad: {len(bad)} of the {len(rows)} rows); "
+        raise ConfigError(f"{where} {path}: row {bad[0][0] + 1} {bad[0][1]} (bad: {len(bad)} of the {len(rows)} rows); "
                           "fix those rows")
     return rows
 
@@ -209,7 +209,7 @@ def preflight(args, world: World):
         for i, r in enumerate(rows):
             n = r["n_tokens"] = len(tok(r["prompt"])["input_ids"])  # also sizes the rollout decoder's cache
             if n + g.max_new_tokens > limit:
-                problems.append(f"{name} row {i}: prompt of {n} tokens + grpo.max_new_tokens {g.max_new_tokens} "
+                problems.append(f"{name} row {i + 1}: prompt of {n} tokens + grpo.max_new_tokens {g.max_new_tokens} "
                                 f"exceeds the context ({limit}); shorten it or lower max_new_tokens")
                 break
     if not problems and g.rollout != "engine" and device_kind() == "cuda":

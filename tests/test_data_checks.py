@@ -247,7 +247,7 @@ def test_prompts_past_the_checked_head_are_checked_once_loaded(tmp_path, monkeyp
     rows = [{"prompt": f"Q: {i} + 1 = ? A:", "answer": i + 1} for i in range(40)]
     assert load_prompts(jsonl(tmp_path / "ok.jsonl", rows))[5] == {"prompt": "Q: 5 + 1 = ? A:", "answer": 6}
     rows[30] = {"prompt": None, "answer": 1}
-    with pytest.raises(ConfigError, match=r"data.path .*bad.jsonl: row 30 has no 'prompt' .* \(bad: 1 of the 40 rows\)"):
+    with pytest.raises(ConfigError, match=r"data.path .*bad.jsonl: row 31 has no 'prompt' .* \(bad: 1 of the 40 rows\)"):
         load_prompts(jsonl(tmp_path / "bad.jsonl", rows))
 
 

@@ -286,7 +286,7 @@ TINY = (ROOT / "engine" / "recipes" / "grpo_tiny.yaml").read_text()
 
 
 @pytest.mark.parametrize("case, expect", [
-    ("prompt_too_long", "data.path row 1: prompt of"),
+    ("prompt_too_long", "data.path row 2: prompt of"),
     ("unknown_reward", "grpo.rewards[0].name: unknown reward 'numerik'"),
     ("group_of_one", "grpo.group_size (1) must be >= 2"),
     ("group_not_dividing_batch", "grpo.group_size (5) must divide train_micro_batch_size_per_gpu x "
@@ -352,7 +352,7 @@ def test_context_check_uses_the_model_being_trained(pretrained, tmp_path):
         args = parse_args(["--deepspeed_config", str(ZERO3_GRPO), "--config", str(tmp_path / "recipe.yaml"),
                            "--data", str(tmp_path / "p.jsonl"), "--init_from", str(init),
                            "--run_dir", str(tmp_path / "run")])
-        with pytest.raises(ConfigError, match=r"data.path row 1: prompt of \d+ tokens .* exceeds the context \(96\)"):
+        with pytest.raises(ConfigError, match=r"data.path row 2: prompt of \d+ tokens .* exceeds the context \(96\)"):
             preflight(args, World(rank=0, size=1, local_size=1))
 
 
