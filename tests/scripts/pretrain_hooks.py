@@ -3,6 +3,8 @@ a job of tests/scripts/pool.py: the hooks are taken off again when the run retur
   HOOK_STEP_SLEEP=S    sleep S seconds at every step boundary, so a test can kill or signal the run mid-training
   HOOK_DIE_IN_SAVE=N   in the save of step N, once DeepSpeed has written this rank's files and before `latest`
                        moves, SIGKILL the whole process group (launcher and every rank), like a power cut
+  HOOK_BALANCE=1       record, at every optimizer step, each MoE layer's expert counts (this rank's) and its routing
+                       bias before and after ExpertBalance.after_step (in DIR/rank{r}.json under "balance")
   HOOK_OUT=DIR         write DIR/rank{r}.json: main()'s return code, and the routing biases right after --resume
 """
 import json
@@ -18,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: E402
 
 from engine import checkpoint, pretrain  # noqa: E402
+from engine.balance import ExpertBalance  # noqa: E402
 
 
 def main() -> int:
@@ -50,6 +53,18 @@ def main() -> int:
             return result
 
         patch(DeepSpeedEngine, "save_checkpoint", dying_save)
+
+    if os.environ.get("HOOK_BALANCE"):
+        after_step, info["balance"] = ExpertBalance.after_step, []
+
+        def recording_after_step(self):
+            seen = [(layer.tokens_per_expert.tolist(), layer.router.e_score_correction_bias.tolist())
+                    for layer in self.layers]
+            after_step(self)
+            info["balance"].append([{"load": load, "before": before, "after": layer.router.e_score_correction_bias
+                                     .tolist()} for (load, before), layer in zip(seen, self.layers)])
+
+        patch(ExpertBalance, "after_step", recording_after_step)
 
     load = checkpoint.load
 
