@@ -3,6 +3,9 @@ a job of tests/scripts/pool.py: the hooks are taken off again when the run retur
   HOOK_STEP_SLEEP=S    sleep S seconds at every step boundary, so a test can kill or signal the run mid-training
   HOOK_DIE_IN_SAVE=N   in the save of step N, once DeepSpeed has written this rank's files and before `latest`
                        moves, SIGKILL the whole process group (launcher and every rank), like a power cut
+  HOOK_DIE_IN_STEP=N   inside optimizer step N, once ZeRO-3's optimizer has updated the first fp32 sub-group of this
+                       rank's partition and before the new values reach the model's parameters, SIGKILL the whole
+                       process group
   HOOK_BALANCE=1       record, at every optimizer step, each MoE layer's expert counts (this rank's) and its routing
                        bias before and after ExpertBalance.after_step (in DIR/rank{r}.json under "balance")
   HOOK_OUT=DIR         write DIR/rank{r}.json: main()'s return code, and the routing biases right after --resume
@@ -65,6 +68,25 @@ def main() -> int:
                                      .tolist()} for (load, before), layer in zip(seen, self.layers)])
 
         patch(ExpertBalance, "after_step", recording_after_step)
+
+    die_in_step = os.environ.get("HOOK_DIE_IN_STEP")
+    if die_in_step:
+        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+        ds_step, opt_step, taking = DeepSpeedEngine.step, DeepSpeedZeroOptimizer_Stage3._optimizer_step, {}
+
+        def noting_step(self, *args, **kwargs):
+            taking["step"] = self.global_steps + 1  # global_steps counts the optimizer steps done (a resume restores it)
+            return ds_step(self, *args, **kwargs)
+
+        def dying_optimizer_step(self, sub_group_id):
+            result = opt_step(self, sub_group_id)
+            if taking.get("step") == int(die_in_step):
+                os.killpg(os.getpgid(0), signal.SIGKILL)
+            return result
+
+        patch(DeepSpeedEngine, "step", noting_step)
+        patch(DeepSpeedZeroOptimizer_Stage3, "_optimizer_step", dying_optimizer_step)
 
     load = checkpoint.load
 
