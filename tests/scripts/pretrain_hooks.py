@@ -76,7 +76,7 @@ def main() -> int:
         ds_step, opt_step, taking = DeepSpeedEngine.step, DeepSpeedZeroOptimizer_Stage3._optimizer_step, {}
 
         def noting_step(self, *args, **kwargs):
-            taking["step"] = self.global_steps + 1  # global_steps counts the optimizer steps done (a resume restores it)
+            taking["step"] = self.global_steps + 1  # optimizer steps done so far (a resume restores the count)
             return ds_step(self, *args, **kwargs)
 
         def dying_optimizer_step(self, sub_group_id):
