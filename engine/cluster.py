@@ -380,7 +380,7 @@ def worker_main(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
-    from .parallel import release_shm_names, skip_cpu_shm_op
+    from .parallel import skip_cpu_shm_op
 
     # Started after the imports: they cannot hang on a peer, and on a loaded machine they alone took most of the
     # 120 s (a 2-core CI machine running two test workers). The timeout covers the rendezvous and the all-reduces.
@@ -392,7 +392,6 @@ def worker_main(args: argparse.Namespace) -> int:
         torch.cuda.set_device(local)
     skip_cpu_shm_op()
     deepspeed.init_distributed(timeout=timedelta(seconds=args.timeout))
-    release_shm_names()
     rank, world = dist.get_rank(), dist.get_world_size()
     device = acc.device_name(local) if acc.device_name() != "cpu" else "cpu"
     n = max(1, int(args.size_mb * 2**20) // 4)

@@ -43,7 +43,6 @@ def init_distributed() -> None:
     quick_cpu_info()
     quiet_torch_deprecations_in_deepspeed()
     deepspeed.init_distributed()
-    release_shm_names()
     # DeepSpeed's own process groups wait up to torch's default timeout (10-30 min) on a dead peer; the watchdog
     # ends this rank within MOE_PEER_TIMEOUT s (default 30) instead (docs/multinode.md).
     start_peer_watchdog()
@@ -74,8 +73,9 @@ def skip_cpu_shm_op() -> None:
     DeepSpeed's TorchBackend loads it whenever a process group starts on the CPU accelerator (a C++ JIT build:
     52 s on a new 2-core machine), but only `inference_all_reduce` (tensor-parallel inference layers, which this
     engine does not use) calls it, and that falls back to torch's all_reduce without it; training's collectives go
-    through gloo either way. DeepSpeed 0.19.8 reads `deepspeed.ops.__compatible_ops__` (a lazily probed dict) for
-    this op only, in `deepspeed.comm.torch.build_shm_op`.
+    through gloo either way. Without the op no rank creates its 66 MiB /dev/shm buffer, which DeepSpeed never
+    removes (tests/test_two_ranks.py checks both). DeepSpeed 0.19.8 reads `deepspeed.ops.__compatible_ops__` (a
+    lazily probed dict) for this op only, in `deepspeed.comm.torch.build_shm_op`.
     """
     from deepspeed.accelerator import get_accelerator
 
@@ -126,27 +126,6 @@ def device_kind() -> str:
 
     name = get_accelerator().device_name()
     return "rocm" if name == "cuda" and torch.version.hip else name
-
-
-def release_shm_names() -> None:
-    """Unlink this rank's /dev/shm all-reduce buffer once every local rank has mapped it.
-
-    On CPU, DeepSpeed's shm all-reduce op creates a 66 MiB file per rank in /dev/shm and never removes it, so
-    every run (killed or not) leaked 66 MiB x ranks of RAM until the machine ran out. The mappings stay valid
-    after unlink; the memory goes back to the OS when the last rank exits, however it exits.
-    """
-    import torch.distributed as dist
-    from deepspeed.accelerator import get_accelerator
-
-    if get_accelerator().device_name() != "cpu" or not dist.is_initialized():
-        return
-    dist.barrier()  # shm_initialize opens every peer's buffer before returning: after this all are mapped
-    name = "deepspeed_allreduce_buffer_{}_{}_{}_{}".format(
-        os.getuid(), os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"), dist.get_rank())
-    try:
-        os.unlink(os.path.join("/dev/shm", name))
-    except FileNotFoundError:  # not all ranks on one host: DeepSpeed made no shm buffers
-        pass
 
 
 def model_dtype(ds_config: dict) -> torch.dtype:

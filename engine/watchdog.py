@@ -95,9 +95,23 @@ class PeerWatchdog:
         except Exception:
             return self._die(f"not every rank started its peer watchdog within {self.timeout:g} s")
         while not self.stopping.wait(self.interval):
-            why = self._beat()
+            why = self._beat_in_time()
             if why:
                 return self._die(why)
+
+    def _beat_in_time(self) -> str | None:
+        """_beat, given `timeout` seconds to finish. A TCPStore client call to a server that neither answers nor
+        closes the connection (rank 0's node frozen or cut off) blocks for good whatever the store's timeout
+        (torch 2.13, add and get against a SIGSTOPped server: still blocked after 40 s with a 3 s timeout), so the
+        calls run on a helper thread and this one stops waiting for it."""
+        out: list = []
+        helper = threading.Thread(target=lambda: out.append(self._beat()), name="peer-watchdog-beat", daemon=True)
+        helper.start()
+        helper.join(self.timeout)
+        if helper.is_alive():
+            return (f"the rendezvous store at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} (rank 0) "
+                    f"stopped answering (no reply within {self.timeout:g} s)")
+        return out[0] if out else None
 
     def _beat(self) -> str | None:
         """Bump this rank's counter and read everyone's: why this rank must end, or None."""

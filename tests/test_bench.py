@@ -27,9 +27,10 @@ def test_bench_two_ranks_and_baseline_agree_on_model_size(tmp_path):
 
 def test_tuned_config_trains_like_the_untuned_one_from_the_same_init(tmp_path):
     """ds_configs/zero2.json (the tuned default: ZeRO-2, micro 16 x 4 on one H200) and zero3.json at the same global
-    batch (micro 8 x 8), both from one saved initial model: every step's loss agrees within bf16 noise. On GPUs
-    the two configs draw different random initial weights (ZeRO-3 builds under zero.Init), so the same-init
-    comparison lives here. Both files say "auto" (8 x 1 on a CPU), so the batch sizes are given here."""
+    batch (micro 8 x 8), both from one saved initial model: every step's loss agrees within 1e-3 (the measured gap,
+    2e-4, with room). On GPUs the two configs draw different random initial weights (ZeRO-3 builds under zero.Init),
+    so the same-init comparison lives here. Both files say "auto" (8 x 1 on a CPU), so the batch sizes are given
+    here."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -43,7 +44,7 @@ def test_tuned_config_trains_like_the_untuned_one_from_the_same_init(tmp_path):
     AutoModelForCausalLM.from_config(make_hf_config(r.model, tok)).save_pretrained(tmp_path / "init")
     tok.save_pretrained(tmp_path / "init")
     # 32-token sequences: a quarter of the default's compute per step; the loss still falls by 1.57 over the 20 steps
-    # and the two configs' losses agreed within 2e-4 (measured 2026-12-01).
+    # and the two configs' losses agreed within 2e-4 (measured 2026-12-01 and, 3 times, 2026-12-02).
     common = ("--steps", "15", "--warmup", "5", "--set", f"model.init_from={tmp_path / 'init'}",
               "--set", "data.seq_len=32")
     # Two 1-rank runs (conftest.run_ranks: in this process), each writing its own row.
@@ -56,4 +57,10 @@ def test_tuned_config_trains_like_the_untuned_one_from_the_same_init(tmp_path):
     assert len(tuned["losses"]) == len(untuned["losses"]) == 20
     assert tuned["losses"][-1] < tuned["losses"][0] - 1.0  # it trains: these steps are not all noise
     diffs = [abs(a - b) for a, b in zip(tuned["losses"], untuned["losses"])]
-    assert max(diffs) < 0.02, list(zip(tuned["losses"], untuned["losses"]))
+    print(f"\nlargest |tuned - untuned| loss over the {len(diffs)} steps: {max(diffs):.4g}; per step: "
+          f"{[round(d, 4) for d in diffs]}")
+    # The bound, from the measured gap: 2e-4 at most (steps 18-19), the same per-step gaps in 3 runs on the 2-core
+    # machine (2026-12-02; CPU runs are deterministic), with bench.py's losses rounded to 4 decimals (1e-4 more at
+    # most). 1e-3 leaves 3x that. A deliberate bug that dropped the gradient of every 4th micro-batch in both
+    # configs moved the gap to 1e-3-6.4e-3 from step 10 on (the old bound, 0.02, passed it).
+    assert max(diffs) < 1e-3, list(zip(tuned["losses"], untuned["losses"]))

@@ -282,8 +282,13 @@ def test_sharded_bf16_export(deepseek2, tmp_path):
         else:
             assert b[k].dtype == torch.bfloat16 and torch.equal(a[k].to(torch.bfloat16), b[k]), k
     assert json.loads((bf16 / "config.json").read_text())["dtype"] == "bfloat16"
+    # The bf16 model (loaded as bf16, biases in fp32) against the fp32 engine: bf16 keeps 8 significant bits, so each
+    # rounded weight and each bf16 matmul moves these logits (|logit| <= 0.58) by ~1e-3. Measured (2026-12-02): 3.6e-3.
+    # 1e-2 leaves ~3x; two experts of one MoE layer swapped moved them by 2.1e-2 to 4.6e-2 (6 swaps, either MoE layer;
+    # the old bound, 0.1, passed them all). The exact per-tensor check above is what ties bf16 to the fp32 export.
     diff = (hf_logits(bf16, torch.bfloat16) - deepseek2["logits"]).abs().max().item()
-    assert diff < 0.1, diff  # bf16 rounding only
+    print(f"\nbf16 export vs the fp32 engine: max abs logit diff {diff:.3g}")
+    assert diff < 1e-2, diff
 
 
 def test_bf16_run_file_names(deepseek2, tmp_path):

@@ -1,9 +1,10 @@
 """Crash-safe checkpoints and exact resume, through the real launcher on 2 CPU ranks.
 
 fp32 (the DS config without "bf16"), one row per step, so a resumed run can be compared with an uninterrupted one
-bitwise: kill -9 mid-run, kill -9 during a save, SIGTERM to the launcher, Ctrl-C to the whole process group, resume
-on 1 rank from a 2-rank checkpoint (DeepSpeed's universal checkpoint), keep_last, and damaged or mismatched
-checkpoints refused with one line before any work.
+bitwise, its logged losses and its last checkpoint's tensors: kill -9 inside a save, then, resumed, kill -9 inside an
+optimizer step; SIGTERM to the launcher, Ctrl-C to the whole process group, resume on 1 rank from a 2-rank checkpoint
+(DeepSpeed's universal checkpoint), keep_last, and damaged or mismatched checkpoints refused with one line before any
+work.
 """
 import hashlib
 import json
@@ -117,18 +118,23 @@ def reference(base) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def crashes(base) -> dict:
-    """kill -9 mid-run after step 4's checkpoint, inside step 6's save: SIGKILL to every process (the launcher and
-    both ranks) after DeepSpeed wrote its files and before `latest` moved; then resume to the end. (Until session
-    10 these were two crashes of one run, an external kill -9 after step 4's checkpoint and then, resumed, the kill
-    in step 6's save: one launch less, and the kill is still mid-run, after step 4's checkpoint.)"""
+    """Two kills -9 of one run, each SIGKILL to every process (the launcher and both ranks), each followed by a
+    resume: inside step 6's save, after DeepSpeed wrote its files and before `latest` moved (mid-run, after step 4's
+    checkpoint); then, resumed from step 4, inside step 7's optimizer step, once a rank's optimizer has updated its
+    fp32 partition and before the model has the new values (after step 6's checkpoint). The last resume runs to
+    the end."""
     run, seen = base / "crash", {}
     p = start(base, "crash", HOOK_DIE_IN_SAVE=6)
     assert finish(p) == -signal.SIGKILL, p.log.read_text()[-4000:]
     seen["killed_at"] = max(r["step"] for r in read_metrics(run))
-    ds_file = torch.load(run / "checkpoints" / tag(4) / "zero_pp_rank_1_mp_rank_00_model_states.pt", weights_only=False)
-    seen["bias_in_ds_file"] = {n: t.tolist() for n, t in ds_file["module"].items() if n.endswith("correction_bias")}
     seen["after_save_crash"] = {"latest": latest(run), "step6": sorted(f.name for f in (run / "checkpoints" / tag(6))
                                                                        .iterdir())}
+
+    p = start(base, "crash", 2, "--resume", HOOK_DIE_IN_STEP=7)
+    assert finish(p) == -signal.SIGKILL, p.log.read_text()[-4000:]
+    seen["after_step_crash"] = {"latest": latest(run), "logged": [r["step"] for r in read_metrics(run)]}
+    ds_file = torch.load(run / "checkpoints" / tag(6) / "zero_pp_rank_1_mp_rank_00_model_states.pt", weights_only=False)
+    seen["bias_in_ds_file"] = {n: t.tolist() for n, t in ds_file["module"].items() if n.endswith("correction_bias")}
 
     p = run_to_end(base, "crash", 2, "--resume")
     assert p.returncode == 0, p.log.read_text()[-4000:]
@@ -139,19 +145,52 @@ def crashes(base) -> dict:
 def test_resume_after_kill9_is_bitwise_equal_to_an_uninterrupted_run(base, reference, crashes):
     rows = read_metrics(base / "crash")
     assert 4 <= crashes["killed_at"] < STEPS  # killed mid-run, after step 4's checkpoint
-    assert crashes["final"][0]["resumed"] == {"step": 4, "position": 4, "tokens": 4 * 2 * 32}
-    # Every row ever logged (the run killed in a save, the resumed one) equals the uninterrupted
+    # The second launch resumed at step 4 and was killed inside step 7 (after logging 6, saving 6), the last at 6.
+    assert crashes["after_step_crash"]["latest"] == tag(6)
+    assert crashes["final"][0]["resumed"] == {"step": 6, "position": 6, "tokens": 6 * 2 * 32}
+    assert [r["step"] for r in rows] == [*range(1, crashes["killed_at"] + 1), 5, 6, 7, 8]
+    assert crashes["after_step_crash"]["logged"] == [r["step"] for r in rows][:-2]
+    # Every row ever logged (each killed launch's, the resumed ones) equals the uninterrupted
     # run's row at that step: loss (RNG, data position, parameters, optimizer, routing biases), lr (scheduler).
-    assert {r["step"] for r in rows} == set(range(1, STEPS + 1))
-    assert [r["step"] for r in rows[-4:]] == [5, 6, 7, 8]
     for r in rows:
         ref = reference[r["step"]]
         assert (r["loss"], r["lr"], r["tokens"]) == (ref["loss"], ref["lr"], ref["tokens"]), (r, ref)
 
 
+def checkpoint_tensors(folder: Path) -> dict:
+    """Every tensor in a checkpoint's .pt files (each rank's model and optimizer states, the buffers, each rank's
+    RNG), by file and key path."""
+    out = {}
+
+    def walk(obj, key):
+        if isinstance(obj, torch.Tensor):
+            out[key] = obj
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, f"{key}/{k}")
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(v, f"{key}/{i}")
+
+    for f in sorted(folder.glob("*.pt")):
+        walk(torch.load(f, weights_only=False), f.name)
+    return out
+
+
+def test_the_resumed_runs_last_checkpoint_equals_the_uninterrupted_runs(base, reference, crashes):
+    """The run killed twice ends with the same parameters, optimizer state, routing biases and RNG states as the
+    uninterrupted run, bitwise: every tensor of step 8's checkpoint (both fp32, both 2 ranks)."""
+    got, want = (checkpoint_tensors(base / run / "checkpoints" / tag(STEPS)) for run in ("crash", "ref"))
+    assert got.keys() == want.keys() and len(got) > 10, sorted(got.keys() ^ want.keys())
+    assert any("fp32_flat_groups" in k for k in got) and any("exp_avg_sq" in k for k in got), sorted(got)
+    differ = [k for k in got if not (got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]))]
+    assert not differ, differ
+
+
 def test_routing_bias_round_trips_through_the_zero3_checkpoint(crashes):
     """After --resume every rank's e_score_correction_bias equals the buffer in DeepSpeed's own model_states file
-    (DeepSpeed's ZeRO-3 load restores module buffers), and balancing had moved it away from zero."""
+    (step 6's, which the last resume loaded; DeepSpeed's ZeRO-3 load restores module buffers), and balancing had
+    moved it away from zero."""
     saved = crashes["bias_in_ds_file"]
     assert len(saved) == 2 and all(any(v != 0 for v in b) for b in saved.values())
     for info in crashes["final"]:

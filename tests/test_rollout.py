@@ -58,7 +58,7 @@ def test_decoding_keeps_grouped_mm_experts():
 
     from engine.config import ConfigError, ModelConfig, load_recipe
     from engine.model import make_hf_config
-    from engine.decoder import experts_for_decode
+    from engine.decoder import DECODE_GROUPED_MM, experts_for_decode
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(make_hf_config(ModelConfig()))
@@ -70,6 +70,14 @@ def test_decoding_keeps_grouped_mm_experts():
         impl = model.get_experts_implementation()
         assert "grouped_mm" not in impl.values(), impl  # what generate's swap looks for
         torch.testing.assert_close(model(ids).logits, ref, rtol=0, atol=0)
+        # The bitwise comparison sees which kernel ran: batched_mm (what generate swaps in) gives other bits on
+        # this model (measured: 82% of the logits, up to 1.8e-7), and so did batched_mm registered under the
+        # decode name (a deliberate bug in experts_for_decode). A rename that did not take effect would leave
+        # grouped_mm running and pass the line above, so the model must also run the kernel named in its config:
+        model.set_experts_implementation("batched_mm")
+        assert not torch.equal(model(ids).logits, ref), "batched_mm gave grouped_mm's bits: no kernel is told apart"
+        model.set_experts_implementation(DECODE_GROUPED_MM)
+        assert torch.equal(model(ids).logits, ref)
     assert experts_for_decode("batched_mm") == "batched_mm"
     with pytest.raises(ConfigError, match="grpo.decode_experts: 'fast' is not one of auto, grouped_mm, dense, batched_mm, eager"):
         load_recipe(None, {"grpo.decode_experts": "fast"})

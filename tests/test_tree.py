@@ -1,5 +1,5 @@
 """Tree rollouts (grpo.tree, engine/tree.py): branch points, forked KV-cache rows, prefix reuse, TreeRL's advantages,
-bad input, and one GRPO run with trees.
+bad input, and one GRPO run with trees (what its loss trains on).
 
 The decoder tests use the real persistent Decoder (engine/decoder.py) on a tiny random model on the CPU, eagerly;
 the compiled CUDA step runs the same calls with the same fixed shapes."""
@@ -306,13 +306,21 @@ def test_tree_rollouts_refuse_the_engine_rollout(tmp_path, capfd, monkeypatch):
 
 # --------------------------------------------------------------------------------------- a GRPO run with trees
 
-from test_grpo import GRPO, grpo_ds, run_launcher  # noqa: E402  (conftest's `pretrained`: test_grpo's run)
+from test_grpo import grpo_ds, run_launcher  # noqa: E402  (conftest's `pretrained`: test_grpo's run)
 
 
-def test_grpo_with_tree_rollouts_trains_and_reports_generated_tokens(pretrained):
+TREE_PROBE = ROOT / "tests" / "scripts" / "tree_probe.py"  # bin/grpo.py, recording what score and the loss see
+
+
+def test_grpo_with_tree_rollouts_trains_on_the_trees(pretrained):
     """bin/grpo.py on 1 rank, 2 steps, the pretrained tiny model: 1 prompt x (2 trees x (1 + 1 x 1 x 1)) = 4 leaves
-    per step (micro-batch 4). The loss is finite, and the metrics count generated tokens (shared prefixes once:
-    at most the leaves' response tokens)."""
+    per step (micro-batch 4). What only tree rollouts give, checked where GRPO uses them (engine/grpo.py:
+    generate_rollouts -> score -> policy_update; tests/scripts/tree_probe.py records them): the loss trains on 4
+    leaves per prompt, 2 chains and a branch of each, every branch starting with its source's tokens; the metric
+    counts those shared tokens once; and the advantages the loss gets are TreeRL's, per token: the same on a
+    shared prefix in both leaves, and changing along a path where it branched."""
+    from engine.tree import token_advantages
+
     d = pretrained / "tree"
     d.mkdir()
     (d / "grpo.yaml").write_text(f"""
@@ -322,12 +330,38 @@ grpo: {{max_new_tokens: 8, temperature: 1.0, beta: 0.04, tree: {{enabled: true, 
        rewards: [{{name: numeric, which: first}}, {{name: length_penalty, target: 3, scale: 0.1}}]}}
 checkpoint: {{at_end: false}}
 """)
-    run_launcher(1, GRPO, "--deepspeed_config", grpo_ds(d / "ds.json", True), "--config", d / "grpo.yaml",
-                 "--init_from", pretrained / "hf", "--run_dir", d / "run", cwd=d)
+    run_launcher(1, TREE_PROBE, "--out", d / "out", "--deepspeed_config", grpo_ds(d / "ds.json", True), "--config",
+                 d / "grpo.yaml", "--init_from", pretrained / "hf", "--run_dir", d / "run", cwd=d)
     rows = read_metrics(d / "run")
-    assert [r["step"] for r in rows] == [1, 2]
-    for r in rows:
+    seen = json.loads((d / "out" / "rank0.json").read_text())
+    assert seen["rc"] == 0 and [r["step"] for r in rows] == [s["step"] for s in seen["steps"]] == [1, 2]
+    shared_total, varying = 0, 0
+    for r, s in zip(rows, seen["steps"]):
         assert math.isfinite(r["loss"]) and math.isfinite(r["kl"]), r
-        leaf_tokens = 4 * r["response_len"]  # 4 leaves per step
-        assert 0 < r["generated_tokens"] <= leaf_tokens + 1e-6, r
+        t, p_len = s["tree"], s["p_len"]
+        assert t is not None, "the loss got rollouts without a tree"
+        ids, adv, mask = torch.tensor(s["ids"]), torch.tensor(s["adv"]), torch.tensor(s["resp_mask"])
+        # 4 leaves: each tree's chain (rows 0 and 1) and one branch from it (rows 2 and 3)
+        assert t["group"] == 4 and len(ids) == 4 and t["parents"] == [-1, -1, 0, 1], t
+        for i in (2, 3):
+            src, k = t["parents"][i], t["starts"][i]
+            assert ids[i, p_len: p_len + k].tolist() == ids[src, p_len: p_len + k].tolist(), (i, k, ids)
+        # generated tokens count each branch's shared prefix once: sum over leaves of (length - start)
+        own = sum(n - k for n, k in zip(t["lengths"], t["starts"]))
+        assert r["generated_tokens"] == t["generated_tokens"] == own, (r["generated_tokens"], t)
+        shared_total += sum(t["starts"])
+        # per-token advantages, aligned with the loss's targets ids[:, 1:], TreeRL's values for these rewards
+        assert s["score_adv_shape"] == list(adv.shape) == [4, ids.shape[1] - 1], (s["score_adv_shape"], adv.shape)
+        want = token_advantages(t["parents"], t["starts"], t["lengths"], s["reward"], s["normalize_std"])
+        for i, a in enumerate(want):
+            torch.testing.assert_close(adv[i, p_len - 1: p_len - 1 + len(a)], torch.tensor(a), rtol=0, atol=1e-6)
+            assert adv[i, : p_len - 1].abs().sum() == 0 and adv[i, p_len - 1 + len(a):].abs().sum() == 0
+            assert mask[i, p_len - 1: p_len - 1 + len(a)].all(), (i, mask[i])
+        for i in (2, 3):  # a shared prefix is one node: the same advantage in both leaves; then the branch's own
+            src, k = t["parents"][i], t["starts"][i]
+            assert torch.equal(adv[i, p_len - 1: p_len - 1 + k], adv[src, p_len - 1: p_len - 1 + k])
+            path = adv[i, p_len - 1: p_len - 1 + t["lengths"][i]]
+            varying += int(k > 0 and len(set(path.tolist())) > 1)
+    # (seeded run) branches after their first token, so prefixes were shared, and advantages changed along a path
+    assert shared_total > 0 and varying > 0, seen["steps"]
     print(json.dumps(rows))

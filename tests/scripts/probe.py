@@ -4,6 +4,7 @@
   - per parameter: full size vs what this rank holds (ZeRO-3 partition / expert-parallel slice)
   - which global sequences this rank reads over one epoch (map-style) or which documents (streaming)
   - after training, the full gathered parameters (rank 0 writes them)
+  - whether DeepSpeed loaded its CPU shared-memory all-reduce op, and this rank's /dev/shm buffer of it if any
 usage: deepspeed --num_gpus N tests/scripts/probe.py --out DIR --deepspeed_config ... [pretrain args]
 """
 import hashlib
@@ -43,6 +44,11 @@ def main() -> None:
     init_distributed()
     rank = world.rank
     info: dict = {"rank": rank}
+    import deepspeed.comm.comm as ds_comm
+
+    info["shm_op"] = getattr(ds_comm.cdb, "shm_comm_op", None) is not None
+    info["shm_files"] = sorted(p.name for p in Path("/dev/shm").glob(
+        f"deepspeed_allreduce_buffer_{os.getuid()}_*_{os.environ['MASTER_PORT']}_{rank}"))
 
     # Peak memory while building: ru_maxrss is a running maximum, so reading it right after AutoEP has
     # swapped the MoE layers (before ZeRO allocates optimizer state) bounds everything since the build began.
