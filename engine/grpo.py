@@ -30,6 +30,7 @@ from .pretrain import forget_zero3_for_transformers, peak_memory_gib, report_err
 from .parallel import World, build_engine, device_kind, init_distributed, model_dtype, world_from_env
 from .rewards import build_rewards
 from .rollout import build_rollout, local_copy
+from .watchdog import PeerTimeoutError, peer_timeout
 from .tree import advantages as tree_advantages, cache_tokens, group_problems as tree_problems, tree_rollouts
 from deepspeed.runtime.rollout import RolloutRequest, SamplingConfig
 
@@ -170,6 +171,10 @@ def preflight(args, world: World):
     g = recipe.grpo
     per_rank = ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
     problems = loss_config(g).validate()
+    try:
+        peer_timeout()  # read again when the watchdog starts; a bad value is bad input like any other
+    except PeerTimeoutError as e:
+        problems.append(str(e))
     if "pipeline" in ds:
         problems.append(f"DeepSpeed config {args.deepspeed_config}: GRPO runs on ZeRO configs (zero3_grpo.json), not "
                         "pipeline stages; a pipeline run's checkpoint can still be its --init_from")

@@ -20,6 +20,7 @@ from .data import ReadAhead, build_data, load_tokenizer, to_device
 from .data_check import check_corpus
 from .ds_config import compile_blocker, read_ds_config, resolve_ds_config, zero_stage
 from .metrics import Metrics, print0
+from .watchdog import PeerTimeoutError, peer_timeout
 from .model import build_model
 from .parallel import World, build_engine, device_kind, init_distributed, model_dtype, world_from_env
 from .proc import print_error
@@ -70,6 +71,10 @@ def preflight(args: argparse.Namespace, world: World):
     try:
         raw = read_ds_config(args.deepspeed_config)
     except ConfigError as e:
+        problems.append(str(e))
+    try:
+        peer_timeout()  # read again when the watchdog starts; a bad value is bad input like any other
+    except PeerTimeoutError as e:
         problems.append(str(e))
     fraction = getattr(args, "memory_fraction", None)
     if fraction is not None and not 0 < fraction <= 1:

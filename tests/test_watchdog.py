@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import DEEPSPEED, ROOT, env, free_port
+from conftest import DEEPSPEED, ROOT, env, free_port, run_in_process
 
 RANKS = ROOT / "tests" / "scripts" / "watchdog_ranks.py"
 
@@ -138,3 +138,17 @@ def test_a_long_step_is_not_a_dead_rank_and_a_frozen_rank_0_ends_the_job(tmp_pat
     assert len(lines) == 1 and "(rank 0) stopped answering" in lines[0], tail()
     assert lines[0].endswith("ending this rank (docs/multinode.md, 'When a node dies')"), lines
     assert left == [], [(p.pid, p.cmdline()) for p in left]
+
+
+def test_a_bad_timeout_is_refused_before_any_work(tmp_path, capfd, monkeypatch):
+    """bin/pretrain.py's preflight (main() in this process as rank 0 of 1): one line, exit 2, nothing written (it was a
+    traceback from init_distributed on every rank)."""
+    from engine.pretrain import main
+
+    monkeypatch.setenv("MOE_PEER_TIMEOUT", "30s")
+    p = run_in_process(main, ["--deepspeed_config", ROOT / "ds_configs" / "zero3.json", "--run_dir", tmp_path / "run"],
+                       capfd, monkeypatch, cwd=tmp_path, RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, LOCAL_SIZE=1)
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2 and lines == ["error: MOE_PEER_TIMEOUT='30s': expected seconds (a number; 0 turns the "
+                                           "peer watchdog off)"], p.stderr
+    assert not (tmp_path / "run").exists()
