@@ -161,7 +161,7 @@ def test_the_checker_finds_broken_links(tmp_path):
 
 LAUNCHER_SOURCE = Path(importlib.util.find_spec("deepspeed").origin).parent / "launcher" / "runner.py"
 PROGRAM_SOURCES = {  # the program -> the file whose argparse it runs (a bin/ wrapper imports main from engine/)
-    "bin/pretrain.py": "engine/pretrain.py", "bin/grpo.py": "engine/grpo.py", "bin/zero_to_fp32": "engine/export.py",
+    "bin/pretrain.py": "engine/pretrain.py", "bin/grpo.py": "engine/grpo.py", "bin/zero_to_fp32": "engine/export/write.py",
     "bin/check_cluster": "engine/cluster.py", "bin/bench.py": "bin/bench.py", "bin/decode_bench.py": "bin/decode_bench.py",
 }
 INPUT_FLAGS = ("--deepspeed_config", "--config", "--hostfile", "--init_from", "--data")
