@@ -178,6 +178,10 @@ class GRPOConfig:
     group_size: int = 8
     """G: completions per prompt (>= 2: advantages compare a completion with its group)."""
     max_new_tokens: int = 8
+    min_new_tokens: int = 0
+    """EOS cannot be sampled before this many new tokens (transformers' min_new_tokens). For benchmarks that need
+    equal-length completions (= max_new_tokens: every completion full length); the loss scores the unmasked
+    distribution, so leave it 0 for training. Chain rollouts of the local decoder only."""
     temperature: float = 1.0
     top_p: float = 1.0
     iterations: int = 1
@@ -384,6 +388,11 @@ def validate(r: Recipe) -> list[str]:
         p.append(f"grpo.group_size ({g.group_size}) must be >= 2: advantages compare completions within a group")
     if g.max_new_tokens < 1 or g.iterations < 1 or g.eval_every < 1:
         p.append("grpo.max_new_tokens, grpo.iterations and grpo.eval_every must be >= 1")
+    if not 0 <= g.min_new_tokens <= g.max_new_tokens:
+        p.append(f"grpo.min_new_tokens ({g.min_new_tokens}) must be in [0, grpo.max_new_tokens ({g.max_new_tokens})]")
+    elif g.min_new_tokens and (g.tree.enabled or g.rollout == "engine"):
+        p.append("grpo.min_new_tokens works with the local decoder's chain rollouts only; set it to 0 with "
+                 + ("grpo.tree" if g.tree.enabled else "grpo.rollout: engine"))
     if g.temperature <= 0:
         p.append(f"grpo.temperature ({g.temperature}) must be > 0: rollouts sample from softmax(logits / temperature) "
                  + ("(a negative one favours the least likely tokens)" if g.temperature < 0 else

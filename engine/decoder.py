@@ -373,12 +373,13 @@ class Decoder:
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int, eos_id: int,
-                 pad_id: int, temperature: float = 1.0, top_p: float = 1.0, check_every: int | None = None
-                 ) -> torch.Tensor:
+                 pad_id: int, temperature: float = 1.0, top_p: float = 1.0, check_every: int | None = None,
+                 min_new_tokens: int = 0) -> torch.Tensor:
         """Left-padded prompts (n <= batch_size rows, width T_p) -> (n, T_p + T_r) tokens, T_r <= max_new_tokens.
 
         After a row's first EOS it gets pad_id; decoding stops once every row has ended (checked every
-        `check_every` steps: each check waits for the device). Greedy when temperature == 0."""
+        `check_every` steps: each check waits for the device). Greedy when temperature == 0. EOS is never sampled
+        before min_new_tokens."""
         import time
 
         n, width = prompt_ids.shape
@@ -396,6 +397,8 @@ class Decoder:
             torch.cuda.synchronize()
         t0, steps = time.perf_counter(), 0
         for t in range(max_new_tokens):
+            if t < min_new_tokens:
+                logits = logits.index_fill(-1, torch.tensor([eos_id], device=logits.device), float("-inf"))
             tok = sample(logits, temperature, top_p)  # (N,)
             tok = torch.where(ended, pad_id, tok)
             out[:, t] = tok

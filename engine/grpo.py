@@ -517,7 +517,7 @@ def setup(recipe: Recipe, ds: dict, tok, rewards, prompts, evals, world: World) 
     micro = policy.train_micro_batch_size_per_gpu()
     n_seq = micro * policy.gradient_accumulation_steps()
     cache_len = decoder_cache_len(prompts + evals, cache_tokens(g))
-    rollout = build_rollout(rollout_kind(recipe), policy, tok, n_seq, cache_len, g.decode_experts)
+    rollout = build_rollout(rollout_kind(recipe), policy, tok, n_seq, cache_len, g.decode_experts, g.min_new_tokens)
     return Run(policy, ref, rollout, tok, rewards, g, loss_config(g), world, micro, n_seq)
 
 

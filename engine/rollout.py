@@ -31,8 +31,10 @@ class DecoderRollout(RolloutEngine):
 
     name = "local"
 
-    def __init__(self, engine, tokenizer, batch_size: int, cache_len: int, decode_experts: str = "auto"):
+    def __init__(self, engine, tokenizer, batch_size: int, cache_len: int, decode_experts: str = "auto",
+                 min_new_tokens: int = 0):
         self.engine, self.tokenizer, self.decoder = engine, tokenizer, None
+        self.min_new_tokens = min_new_tokens  # grpo.min_new_tokens: EOS masked before it when sampling (not greedy eval)
         self.batch_size, self.cache_len, self.decode_experts = batch_size, cache_len, decode_experts
         self.decode_steps, self.decode_s = 0, 0.0  # over the last generate call
 
@@ -54,7 +56,8 @@ class DecoderRollout(RolloutEngine):
         for i in range(0, len(ids), self.batch_size):  # more rows than the decoder's batch: in turns
             parts.append(self.decoder.generate(ids[i:i + self.batch_size], attn[i:i + self.batch_size],
                                                sampling.max_new_tokens, eos, pad, sampling.temperature,
-                                               sampling.top_p))
+                                               sampling.top_p,
+                                               min_new_tokens=self.min_new_tokens if sampling.temperature > 0 else 0))
             self.decode_steps += self.decoder.decode_steps
             self.decode_s += self.decoder.decode_s
         width = max(p.shape[1] for p in parts)
@@ -78,7 +81,7 @@ def response_attention(out: torch.Tensor, prompt_attn: torch.Tensor, prompt_len:
 
 
 def build_rollout(kind: str, engine, tokenizer, batch_size: int, cache_len: int,
-                  decode_experts: str = "auto") -> RolloutEngine:
+                  decode_experts: str = "auto", min_new_tokens: int = 0) -> RolloutEngine:
     if kind == "local":
-        return DecoderRollout(engine, tokenizer, batch_size, cache_len, decode_experts)
+        return DecoderRollout(engine, tokenizer, batch_size, cache_len, decode_experts, min_new_tokens)
     return HybridEngineRollout(engine, tokenizer)

@@ -91,6 +91,7 @@ def test_decoder_under_flex_attention_samples_as_under_sdpa():
                           "(a negative one favours the least likely tokens)"),
     ("top_p", 0.0, "grpo.top_p (0.0) must be in (0, 1]"),
     ("top_p", 5.0, "grpo.top_p (5.0) must be in (0, 1]"),
+    ("min_new_tokens", 99, "grpo.min_new_tokens (99) must be in [0, grpo.max_new_tokens"),
 ])
 def test_sampling_fields_are_validated(field, value, expect):
     from engine.config import ConfigError, load_recipe
@@ -99,6 +100,22 @@ def test_sampling_fields_are_validated(field, value, expect):
         load_recipe(ROOT / "engine" / "recipes" / "grpo_tiny.yaml", {f"grpo.{field}": value})
     assert expect in str(e.value) and "\n" not in str(e.value)
     load_recipe(ROOT / "engine" / "recipes" / "grpo_tiny.yaml", {"grpo.temperature": 0.7, "grpo.top_p": 1.0})
+
+
+def test_min_new_tokens_masks_eos_until_then():
+    """grpo.min_new_tokens (equal-length benchmarks): a model that always prefers EOS still writes min_new_tokens
+    tokens before it, then stops at once; without it, it stops at the first token."""
+    from engine.decoder import Decoder
+
+    eos = 1
+    ids, mask = torch.randint(3, 512, (2, 6)), torch.ones(2, 6, dtype=torch.long)
+    dec = Decoder(tiny_model(), "cpu", 2, 32, compile=False)
+    dec.model.lm_head.register_forward_hook(lambda mod, args, out: out.index_fill(-1, torch.tensor([eos]), 1e4))
+    for temperature in (0.0, 1.0):
+        plain = dec.generate(ids, mask, 8, eos_id=eos, pad_id=0, temperature=temperature)
+        assert plain[:, 6:].tolist() == [[eos], [eos]]
+        held = dec.generate(ids, mask, 8, eos_id=eos, pad_id=0, temperature=temperature, min_new_tokens=5)
+        assert held.shape[1] == 6 + 6 and (held[:, 6:11] != eos).all() and (held[:, 11] == eos).all(), held
 
 
 def test_a_tokenizer_without_a_pad_token_pads_with_eos(tmp_path, capsys):

@@ -4,6 +4,9 @@
 # here by ../shared/tools/offline-wheels.sh trl==1.16.0 (deepspeed, datasets, trl, ...), carried as `.whl`:
 #   bash docs/bench/grpo_vs_trl.sh
 # Steps:
+# Both systems write every completion to max_new_tokens (equal work: a random model's EOS rate depends on the
+# vocabulary): TRL through transformers' min_new_tokens, the engine through grpo.min_new_tokens (FREE_LENGTH=1: the
+# engine stops at EOS instead).
 #   1. install the wheels into /tmp/site unless deepspeed and trl import already; build FusedAdam once (CUDA)
 #   2. save one random-init bf16 model of engine/recipes/grpo_2b6.yaml's architecture with the engine's tokenizer
 #      (docs/bench/save_random_model.py) to $INIT: both systems start from these weights
@@ -18,7 +21,7 @@
 # dropped when time runs short).
 # Switches (environment): STEPS=6  SKIP_TRL=1  SKIP_ENGINE=1  SUMMARY_ONLY=1 (re-read $OUT)  BUDGET_S=550
 #   RECIPE=engine/recipes/grpo_2b6.yaml  MAX_NEW_TOKENS=<recipe's>  INIT=/tmp/gvt_init (REUSE_INIT=1 keeps it)
-#   T_ENGINE=180 T_TRL=240 (per-run timeouts, s)  MASTER_PORT=29600
+#   T_ENGINE=180 T_TRL=240 (per-run timeouts, s)  MASTER_PORT=29600  FREE_LENGTH=1
 # CPU smoke test (here, tiny model; the same steps):
 #   OUT=/tmp/gvt RECIPE=engine/recipes/grpo_tiny.yaml MAX_NEW_TOKENS=8 STEPS=2 bash docs/bench/grpo_vs_trl.sh
 # Files back from the device ($OUT, 6 of the 8 allowed): grpo_vs_trl.jsonl, summary.txt, trl.jsonl,
@@ -60,15 +63,17 @@ if [ "${SUMMARY_ONLY:-0}" != 1 ]; then
     echo "FusedAdam build: exit $? in $((SECONDS - t))s"
   fi
   # The recipe both engine runs use: the workload's settings on top of $RECIPE
-  python3 - "$RECIPE" /tmp/gvt_recipe.yaml "${MAX_NEW_TOKENS:-}" <<'EOF'
+  python3 - "$RECIPE" /tmp/gvt_recipe.yaml "${MAX_NEW_TOKENS:-}" "${FREE_LENGTH:-0}" <<'EOF'
 import sys, yaml
-src, dst, mnt = sys.argv[1:4]
+src, dst, mnt, free = sys.argv[1:5]
 r = yaml.safe_load(open(src))
 g = r.setdefault("grpo", {})
 g.update(beta=0.04, kl="k3", rewards=[{"name": "numeric", "weight": 1.0, "which": "first"}])
 g.pop("eval_path", None); g.pop("eval_every", None)
 if mnt:
     g["max_new_tokens"] = int(mnt)
+if free != "1":
+    g["min_new_tokens"] = g.get("max_new_tokens", 8)
 r["checkpoint"] = {"every_steps": 0, "every_minutes": 0, "at_end": False}
 yaml.safe_dump(r, open(dst, "w"), sort_keys=False)
 print(f"recipe {dst}: {src} with grpo {g}")
@@ -82,7 +87,7 @@ print(r['grpo']['max_new_tokens'], r['train']['lr'], r['grpo'].get('group_size',
     echo "init: reusing $INIT"
   else
     t=$SECONDS
-    timeout "$(cut_to 180 300)" python3 docs/bench/save_random_model.py --config "$RECIPE" --out "$INIT" \
+    timeout "$(cut_to 180 120)" python3 docs/bench/save_random_model.py --config "$RECIPE" --out "$INIT" \
       > "$LOGS/save_init.log" 2>&1
     echo "init: exit $? in $((SECONDS - t))s: $(tail -1 "$LOGS/save_init.log")"
   fi
