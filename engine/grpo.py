@@ -8,6 +8,7 @@ policy's (no full gather); with grpo.beta == 0 it is not built.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -46,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--run_dir")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--data", help="prompts: jsonl/parquet with `prompt` and `answer` columns")
+    ap.add_argument("--profile_step", type=int, metavar="N",
+                    help="run step N under torch.profiler; rank 0 writes the top operators to RUN_DIR/profile_step_N.txt")
     ap.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -171,6 +174,8 @@ def preflight(args, world: World):
     g = recipe.grpo
     per_rank = ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
     problems = loss_config(g).validate()
+    if args.profile_step is not None and not 1 <= args.profile_step <= recipe.train.max_steps:
+        problems.append(f"--profile_step {args.profile_step}: must be a step of this run (1..{recipe.train.max_steps})")
     try:
         peer_timeout()  # read again when the watchdog starts; a bad value is bad input like any other
     except PeerTimeoutError as e:
@@ -529,7 +534,7 @@ def decoder_cache_len(rows: list[dict], max_new_tokens: int) -> int:
 
 
 def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | None, world: World,
-          source: str | None = None) -> list[dict]:
+          source: str | None = None, profile_step: int | None = None) -> list[dict]:
     """`init`: the Hugging Face dir the policy and reference start from (None: random); `source`: the --init_from it
     came from, recorded in checkpoints (a resume compares it)."""
     g = recipe.grpo
@@ -561,7 +566,8 @@ def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | No
         if cur is not None:  # by pass rates so far: one global draw per step, this rank's slice of it
             mine, cur_row = cur.rank_draw(step, world.rank, n_prompts)
             batch_rows = [prompts[i] for i in mine]
-        row = grpo_step(run, batch_rows, sampling, step)
+        with profiled(step == profile_step, Path(recipe.run_dir) / f"profile_step_{step}.txt", world.rank):
+            row = grpo_step(run, batch_rows, sampling, step)
         if cur is not None:
             cur.update_from_ranks(mine, run.last_reward)  # every rank's rewards: the same statistics everywhere
             row.update(cur_row)
@@ -587,6 +593,26 @@ def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | No
     saver.close()
     metrics.close()
     return rows
+
+
+@contextlib.contextmanager
+def profiled(on: bool, path: Path, rank: int):
+    """torch.profiler around the block when `on`; rank 0 writes the operators with the most device time and the
+    most host time (ZeRO-3's hooks are host time) to `path`."""
+    if not on:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        yield
+    if rank == 0:
+        avg = prof.key_averages()
+        tables = [f"== by {key}\n" + avg.table(sort_by=key, row_limit=40, max_name_column_width=70)
+                  for key in (["self_cuda_time_total"] if cuda else []) + ["cpu_time_total"]]
+        path.write_text("\n".join(tables))
+        print0(f"profile of this step: {path}")
 
 
 def budget_spent(generated: float, g: GRPOConfig) -> bool:
@@ -636,7 +662,7 @@ def main(argv=None) -> int:
             export(args.init_from, init, dtype="fp32", force=True)
         dist.barrier()
     try:
-        rows = train(recipe, ds, tok, prompts, evals, rewards, init, world, source)
+        rows = train(recipe, ds, tok, prompts, evals, rewards, init, world, source, args.profile_step)
     finally:
         forget_zero3_for_transformers()
     if rows:  # none when a resumed run had already reached max_steps or its token budget (and has no eval set)

@@ -21,7 +21,8 @@
 # dropped when time runs short).
 # Switches (environment): STEPS=6  SKIP_TRL=1  SKIP_ENGINE=1  SUMMARY_ONLY=1 (re-read $OUT)  BUDGET_S=550
 #   RECIPE=engine/recipes/grpo_2b6.yaml  MAX_NEW_TOKENS=<recipe's>  INIT=/tmp/gvt_init (REUSE_INIT=1 keeps it)
-#   T_ENGINE=180 T_TRL=240 (per-run timeouts, s)  MASTER_PORT=29600  FREE_LENGTH=1
+#   T_ENGINE=180 T_TRL=240 (per-run timeouts, s)  MASTER_PORT=29600  FREE_LENGTH=1  CONFIGS='zero3_grpo zero2_grpo'
+#   ENGINE_ARGS='--profile_step 4' (more bin/grpo.py arguments; profiles are copied to $OUT)
 # CPU smoke test (here, tiny model; the same steps):
 #   OUT=/tmp/gvt RECIPE=engine/recipes/grpo_tiny.yaml MAX_NEW_TOKENS=8 STEPS=2 bash docs/bench/grpo_vs_trl.sh
 # Files back from the device ($OUT, 6 of the 8 allowed): grpo_vs_trl.jsonl, summary.txt, trl.jsonl,
@@ -102,14 +103,14 @@ print(r['grpo']['max_new_tokens'], r['train']['lr'], r['grpo'].get('group_size',
     PORT=$((PORT + 1))
     timeout -k 15 "$limit" $DS --master_port "$PORT" --num_gpus 1 bin/grpo.py --deepspeed_config "$cfg" \
       --config /tmp/gvt_recipe.yaml --init_from "$INIT" --max_steps "$STEPS" --run_dir "/tmp/gvt_$label" \
-      > "$LOGS/$label.log" 2>&1
+      ${ENGINE_ARGS:-} > "$LOGS/$label.log" 2>&1
     echo "$label: exit $? in $((SECONDS - t))s (limit ${limit}s) $(grep -m1 -oE 'OutOfMemoryError|Error: .{0,120}' "$LOGS/$label.log")"
     cp "/tmp/gvt_$label/metrics.jsonl" "$OUT/${label}_metrics.jsonl" 2>/dev/null
+    for f in /tmp/gvt_$label/profile_step_*.txt; do [ -f "$f" ] && cp "$f" "$OUT/${label}_$(basename "$f")"; done
     RUNS="$RUNS $label|engine|$cfg|$OUT/${label}_metrics.jsonl"
   }
   if [ "${SKIP_ENGINE:-0}" != 1 ]; then
-    engine ds_configs/zero3_grpo.json
-    [ -f ds_configs/zero2_grpo.json ] && engine ds_configs/zero2_grpo.json
+    for c in ${CONFIGS:-zero3_grpo zero2_grpo}; do [ -f "ds_configs/$c.json" ] && engine "ds_configs/$c.json"; done
   fi
 
   if [ "${SKIP_TRL:-0}" != 1 ]; then

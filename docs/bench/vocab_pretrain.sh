@@ -9,6 +9,7 @@
 # embedding (the output layer counted in full; routed experts at top-k / experts) + attention 3 x layers x 2 x seq x
 # heads x (qk + v head dims): bin/bench.py's formula, computed here from engine.auto_batch.param_counts.
 #   bash docs/bench/vocab_pretrain.sh      (on the GPU machine, from the checkout, with .whl/ carried)
+#   VOCABS="32768" BENCH=0 bash docs/bench/vocab_pretrain.sh     (other vocabularies, pretraining rows only)
 # Rows: $OUT/vocab_pretrain.jsonl; logs: $OUT/vocab_pretrain_logs.txt; bench table: $OUT/vocab_bench.jsonl.
 set -u
 OUT=${OUT:-/tmp/vocab_pretrain}; mkdir -p "$OUT"
@@ -20,7 +21,8 @@ fi
 STEPS=${STEPS:-10}; LOG=$OUT/vocab_pretrain_logs.txt; PORT=29700; END=$((SECONDS + ${BUDGET_S:-560}))
 python3 -c "from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load()" > /dev/null 2>&1
 mkdir -p /tmp/vp
-for v in 512 129280; do  # the shipped recipe at vocabulary v, end-of-run checkpoint off
+VOCABS=${VOCABS:-512 129280}
+for v in $VOCABS; do  # the shipped recipe at vocabulary v, end-of-run checkpoint off
   python3 - "$v" <<'PY'
 import sys, yaml
 v = int(sys.argv[1])
@@ -71,10 +73,10 @@ bench() {  # bench LABEL VOCAB LIMIT [ARGS...]: bin/bench.py, zero3.json, micro-
     --warmup 2 --label "$label" --out "$OUT/vocab_bench.jsonl" "$@" > /tmp/vp/bench.log 2>&1
   echo "== bench $label (exit $?)" >> "$LOG"; cat /tmp/vp/bench.log >> "$LOG"; tail -4 /tmp/vp/bench.log
 }
-pretrain z2_v512 zero2.json 512 150
-pretrain z2_v129k zero2.json 129280 150
-pretrain z3_v512 zero3.json 512 150
-pretrain z3_v129k zero3.json 129280 150
-bench z3_m8_v129k_chunked 129280 90
-bench z3_m8_v129k_plain 129280 90 --plain_head
+name() { [ "$1" -lt 1000 ] && echo "$1" || echo "$(($1 / 1000))k"; }  # 129280 -> 129k
+for ds in zero2 zero3; do for v in $VOCABS; do pretrain "${ds/zero/z}_v$(name "$v")" "$ds.json" "$v" 150; done; done
+if [ "${BENCH:-1}" = 1 ]; then
+  bench z3_m8_v129k_chunked 129280 90
+  bench z3_m8_v129k_plain 129280 90 --plain_head
+fi
 echo "done in ${SECONDS}s"
