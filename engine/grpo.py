@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 import time
@@ -420,11 +419,11 @@ def skip_update(run: Run) -> None:
         run.policy.lr_scheduler.step()
 
 
-def policy_update(run: Run, r: Rollouts, adv, old, refl, timer: "Timer", count: float) -> dict[str, float]:
+def policy_update(run: Run, r: Rollouts, adv, old, refl, count: float) -> dict[str, float]:
     """`iterations` passes over the batch on the clipped surrogate (+ KL); returns the summed loss stats.
     `count`: the response tokens of all ranks (response_tokens), > 0."""
     normalizer = count / (run.world.size * (run.n_seq // run.micro))  # dapo: global token mean
-    stats_sum: dict[str, float] = {}
+    stats_sum: dict[str, torch.Tensor] = {}
     for _ in range(run.g.iterations):
         for i in range(0, len(r.ids), run.micro):
             sl = slice(i, i + run.micro)
@@ -433,16 +432,16 @@ def policy_update(run: Run, r: Rollouts, adv, old, refl, timer: "Timer", count: 
                                       run.loss_cfg, ref_logp=None if refl is None else refl[sl], entropy=ent,
                                       token_normalizer=normalizer if run.g.aggregation == "dapo" else None)
             run.policy.backward(loss)
-            timer.lap("fwd_bwd_s")
             run.policy.step()
-            timer.lap("opt_s")
-            for k, v in {"loss": loss.detach(), **stats}.items():
-                stats_sum[k] = stats_sum.get(k, 0.0) + float(v)
-    return stats_sum
+            for k, v in {"loss": loss.detach(), **stats}.items():  # device tensors: no host wait per micro-batch
+                stats_sum[k] = stats_sum[k] + v if k in stats_sum else v
+    return dict(zip(stats_sum, torch.stack(list(stats_sum.values())).float().tolist()))  # one wait
 
 
 class Timer:
-    """Wall time per named phase, the device synchronized at each lap (a handful of laps per step)."""
+    """Wall time per named phase, the device synchronized at each lap, so a phase holds its device work. One lap per
+    phase, never per micro-batch: each synchronization stops the host from running ahead of the device, which
+    ZeRO-3's per-module hooks (host work) need to overlap with it."""
 
     def __init__(self):
         from deepspeed.accelerator import get_accelerator
@@ -474,7 +473,8 @@ def grpo_step(run: Run, rows: list[dict], sampling: SamplingConfig, step: int) -
     timer.lap("ref_s")
     old = old_logps(run, r)
     timer.lap("old_s")
-    stats = policy_update(run, r, adv, old, refl, timer, count)
+    stats = policy_update(run, r, adv, old, refl, count)
+    timer.lap("policy_s")
     forwards = run.g.iterations + (old is not None) + (run.ref is not None)
     return metrics_row(run, r, scores, reward, stats, timer.s, forwards, step, time.time() - t0)
 
@@ -615,6 +615,18 @@ def profiled(on: bool, path: Path, rank: int):
         print0(f"profile of this step: {path}")
 
 
+def done_line(rows: list[dict], run_dir: str) -> str:
+    """The run's last line: its last step, reward, KL and latest held-out reward, and where every row is."""
+    last = rows[-1]
+    held = next((r for r in reversed(rows) if "eval_reward" in r), None)
+    parts = [f"done: {last['step']} steps", f"reward {last['reward']:.4g} at the last step"]
+    if "kl" in last:
+        parts.append(f"kl {last['kl']:.4g}")
+    if held is not None:
+        parts.append(f"held-out reward {held['eval_reward']:.4g} at step {held['step']}")
+    return ", ".join(parts) + f"; every step's row in {Path(run_dir) / 'metrics.jsonl'}"
+
+
 def budget_spent(generated: float, g: GRPOConfig) -> bool:
     """Whether grpo.max_generated_tokens (when set) has been reached by the run's generated tokens."""
     return g.max_generated_tokens is not None and generated >= g.max_generated_tokens
@@ -666,5 +678,5 @@ def main(argv=None) -> int:
     finally:
         forget_zero3_for_transformers()
     if rows:  # none when a resumed run had already reached max_steps or its token budget (and has no eval set)
-        print0(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}))
+        print0(done_line(rows, recipe.run_dir))
     return 0
