@@ -346,6 +346,7 @@ class Decoder:
                         if self.compile else self._forward)
         self.decode_steps = 0
         self.decode_s = 0.0
+        self.last_logps = None  # generate's sampled tokens' log-probs under softmax(logits / T), (n, T_r)
         self.counts = dict.fromkeys(COUNTS, 0)  # useful work since the last reset_counts(), see COUNTS
         self.slot = 0  # the next cache slot a decode step writes (every row writes the same one)
         self.logits = self.next_pos = None  # after prefill(): the prompts' last logits, each row's first response position
@@ -392,14 +393,19 @@ class Decoder:
         logits, next_pos = self._prefill(prompt_ids, prompt_mask, response_visible=True)
         next_pos = next_pos[:, None]  # (N, 1)
         out = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=self.device)
+        # log p(token) under softmax(logits / T), the distribution the trainer scores (sampled rollouts only)
+        logps = torch.zeros((N, max_new_tokens), dtype=torch.float32, device=self.device) if temperature > 0 else None
         ended = torch.zeros(N, dtype=torch.bool, device=self.device)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         t0, steps = time.perf_counter(), 0
         for t in range(max_new_tokens):
+            raw = logits
             if t < min_new_tokens:
                 logits = logits.index_fill(-1, torch.tensor([eos_id], device=logits.device), float("-inf"))
             tok = sample(logits, temperature, top_p)  # (N,)
+            if logps is not None:  # before EOS masking: the trainer's distribution has no min_new_tokens mask
+                logps[:, t] = token_logp(raw, tok, temperature)
             tok = torch.where(ended, pad_id, tok)
             out[:, t] = tok
             ended |= tok == eos_id
@@ -418,7 +424,9 @@ class Decoder:
         sampled = int(lengths.sum())
         self._count(forwards=1 + steps, prefill_tokens=int(prompt_mask.sum()), sampled_tokens=sampled,
                     decoded_tokens=sampled - n)  # a row's last token is never fed back
-        return torch.cat([prompt_ids, out[:, : int(lengths.max())]], dim=1)
+        width = int(lengths.max())
+        self.last_logps = None if logps is None else logps[:n, :width]  # (n, T_r): the sampled tokens' log-probs
+        return torch.cat([prompt_ids, out[:, :width]], dim=1)
 
     def _prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_visible: bool):
         """Reset the cache and prefill all batch_size rows with the left-padded prompts (n rows; the rest copy the
@@ -555,6 +563,13 @@ class Decoder:
         logits = self.step_fn(tok[:, None], pos[:, None], self.mask)  # (N, V)
         self.slot += 1
         return logits
+
+
+def token_logp(logits: torch.Tensor, tok: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(N, V) float logits, (N,) tokens -> (N,) log p(tok) under softmax(logits / temperature), fp32 (not the top-p
+    nucleus: the trainer scores the whole distribution)."""
+    z = logits.float() / temperature
+    return z.gather(-1, tok[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:

@@ -356,6 +356,7 @@ class Rollouts:
     p_len: int
     seconds: float
     tree: object = None  # grpo.tree: the rollout's tree structure (engine/tree.py TreeInfo)
+    rollout_logp: torch.Tensor | None = None  # (N, T-1): the decoder's log p of each response target (chains)
 
 
 def generate_rollouts(run: Run, rows: list[dict], sampling: SamplingConfig) -> Rollouts:
@@ -370,8 +371,11 @@ def generate_rollouts(run: Run, rows: list[dict], sampling: SamplingConfig) -> R
     p_len = int(out.response_start_idx[0])
     resp_mask = out.attention_mask[:, 1:].clone()  # targets ids[:, 1:]; response targets start at p_len
     resp_mask[:, : p_len - 1] = 0
+    rl = getattr(run.rollout, "last_logps", None) if tree is None else None
+    if rl is not None:  # response token j sits at ids[:, p_len + j], the target of position p_len - 1 + j
+        rl = torch.nn.functional.pad(rl, (p_len - 1, 0))[:, : out.input_ids.shape[1] - 1]
     return Rollouts(out.input_ids, out.attention_mask, resp_mask, completions(out, run.tok), p_len, time.time() - t0,
-                    tree)
+                    tree, rl)
 
 
 def score(run: Run, rows: list[dict], r: Rollouts, step: int):
@@ -419,12 +423,14 @@ def skip_update(run: Run) -> None:
         run.policy.lr_scheduler.step()
 
 
-def policy_update(run: Run, r: Rollouts, adv, old, refl, count: float) -> dict[str, float]:
-    """`iterations` passes over the batch on the clipped surrogate (+ KL); returns the summed loss stats.
+def policy_update(run: Run, r: Rollouts, adv, old, refl, count: float) -> tuple[dict[str, float], dict[str, float]]:
+    """`iterations` passes over the batch on the clipped surrogate (+ KL); returns the summed loss stats and the
+    rollout/train mismatch of the first pass (mismatch_metrics; empty without the decoder's log-probs).
     `count`: the response tokens of all ranks (response_tokens), > 0."""
     normalizer = count / (run.world.size * (run.n_seq // run.micro))  # dapo: global token mean
     stats_sum: dict[str, torch.Tensor] = {}
-    for _ in range(run.g.iterations):
+    mismatch = []  # the first pass's rollout/train log-prob differences (the decoder's log-probs, chains only)
+    for it in range(run.g.iterations):
         for i in range(0, len(r.ids), run.micro):
             sl = slice(i, i + run.micro)
             logp, ent = forward_logps(run.policy, r.ids[sl], r.attn[sl], run.g.temperature, with_entropy=True)
@@ -435,7 +441,33 @@ def policy_update(run: Run, r: Rollouts, adv, old, refl, count: float) -> dict[s
             run.policy.step()
             for k, v in {"loss": loss.detach(), **stats}.items():  # device tensors: no host wait per micro-batch
                 stats_sum[k] = stats_sum[k] + v if k in stats_sum else v
-    return dict(zip(stats_sum, torch.stack(list(stats_sum.values())).float().tolist()))  # one wait
+            if it == 0 and r.rollout_logp is not None:
+                mismatch.append(rollout_mismatch(logp.detach(), r.rollout_logp[sl], r.resp_mask[sl]))
+    stats = dict(zip(stats_sum, torch.stack(list(stats_sum.values())).float().tolist()))  # one wait
+    return stats, mismatch_metrics(torch.stack(mismatch)) if mismatch else {}
+
+
+def rollout_mismatch(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[sum |d|, max |d|, sum k3, tokens] over the response tokens of a micro-batch, d = log p_train - log p_rollout
+    per sampled token; k3 = exp(d) - 1 - d estimates KL(rollout || train) from the rollout's own samples."""
+    m = mask.bool()
+    d = (train - rollout)[m]
+    if d.numel() == 0:
+        return torch.zeros(4, device=train.device)
+    return torch.stack([d.abs().sum(), d.abs().max(), (torch.expm1(d) - d).sum(), torch.tensor(float(d.numel()),
+                                                                                             device=d.device)])
+
+
+def mismatch_metrics(parts: torch.Tensor) -> dict[str, float]:
+    """The rollout/train mismatch of a step over every rank's micro-batches: parts (micro-batches, 4) from
+    rollout_mismatch."""
+    sums, top = parts[:, [0, 2, 3]].sum(0), parts[:, 1].max()
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    n = max(float(sums[2]), 1.0)
+    return {"rollout_logp_diff_mean": float(sums[0]) / n, "rollout_logp_diff_max": float(top),
+            "rollout_kl_k3": float(sums[1]) / n}
 
 
 class Timer:
@@ -473,10 +505,10 @@ def grpo_step(run: Run, rows: list[dict], sampling: SamplingConfig, step: int) -
     timer.lap("ref_s")
     old = old_logps(run, r)
     timer.lap("old_s")
-    stats = policy_update(run, r, adv, old, refl, count)
+    stats, mismatch = policy_update(run, r, adv, old, refl, count)
     timer.lap("policy_s")
     forwards = run.g.iterations + (old is not None) + (run.ref is not None)
-    return metrics_row(run, r, scores, reward, stats, timer.s, forwards, step, time.time() - t0)
+    return {**metrics_row(run, r, scores, reward, stats, timer.s, forwards, step, time.time() - t0), **mismatch}
 
 
 def metrics_row(run: Run, r: Rollouts, scores, reward, stats: dict, phases: dict, forwards: int, step: int,

@@ -37,6 +37,7 @@ class DecoderRollout(RolloutEngine):
         self.min_new_tokens = min_new_tokens  # grpo.min_new_tokens: EOS masked before it when sampling (not greedy eval)
         self.batch_size, self.cache_len, self.decode_experts = batch_size, cache_len, decode_experts
         self.decode_steps, self.decode_s = 0, 0.0  # over the last generate call
+        self.last_logps = None  # the last generate call's sampled-token log-probs (Decoder.generate)
 
     def sync_weights(self, step: int) -> None:  # noqa: ARG002
         if self.decoder is None:
@@ -52,7 +53,7 @@ class DecoderRollout(RolloutEngine):
         ids = request.prompt_ids.repeat_interleave(n, dim=0)  # (B*G, T_p), left-padded
         attn = request.prompt_attention_mask.repeat_interleave(n, dim=0)
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
-        parts, self.decode_steps, self.decode_s = [], 0, 0.0
+        parts, logps, self.decode_steps, self.decode_s = [], [], 0, 0.0
         for i in range(0, len(ids), self.batch_size):  # more rows than the decoder's batch: in turns
             parts.append(self.decoder.generate(ids[i:i + self.batch_size], attn[i:i + self.batch_size],
                                                sampling.max_new_tokens, eos, pad, sampling.temperature,
@@ -60,8 +61,12 @@ class DecoderRollout(RolloutEngine):
                                                min_new_tokens=self.min_new_tokens if sampling.temperature > 0 else 0))
             self.decode_steps += self.decoder.decode_steps
             self.decode_s += self.decoder.decode_s
+            logps.append(self.decoder.last_logps)
         width = max(p.shape[1] for p in parts)
         out = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=pad) for p in parts])
+        # the sampled tokens' log-probs at the decoder, (B*G, T_r) beside the responses (None when greedy)
+        self.last_logps = None if logps[0] is None else torch.cat(
+            [torch.nn.functional.pad(x, (0, width - prompt_len - x.shape[1])) for x in logps])
         return RolloutBatch(input_ids=out, attention_mask=response_attention(out, attn, prompt_len, self.tokenizer),
                             response_start_idx=torch.full((out.shape[0],), prompt_len, device=out.device))
 

@@ -131,6 +131,19 @@ def test_the_loss_scores_the_distribution_that_sampled(runs, kind):
         assert info["untempered_vs_sampling_logp"] > max(bound, 3 * got), info
 
 
+def test_the_rollout_train_mismatch_is_on_every_row(runs):
+    """Local rollouts record the decoder's log-prob of each sampled token; every step's row compares it with the
+    policy's first training forward (the same weights: the mismatch is the two code paths' arithmetic alone).
+    fp32 here, so tiny; a target off by one position would be nats off. Engine rollouts record none."""
+    for info in runs["local"]:
+        for row in info["rows"][1:]:
+            assert 0 < row["rollout_logp_diff_mean"] <= row["rollout_logp_diff_max"] < 1e-4, row
+            assert abs(row["rollout_kl_k3"]) < 1e-8, row
+        a, b = runs["local"]
+        assert a["rows"][1]["rollout_logp_diff_max"] == b["rows"][1]["rollout_logp_diff_max"]  # over both ranks
+    assert not any("rollout_logp_diff_mean" in row for info in runs["engine"] for row in info["rows"])
+
+
 def test_local_rollouts_finish_at_different_lengths_without_a_hang(runs):
     a, b = runs["local"]
     assert a["rollout_class"] == b["rollout_class"] == "DecoderRollout"

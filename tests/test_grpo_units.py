@@ -118,6 +118,32 @@ def test_min_new_tokens_masks_eos_until_then():
         assert held.shape[1] == 6 + 6 and (held[:, 6:11] != eos).all() and (held[:, 11] == eos).all(), held
 
 
+def test_the_decoder_records_the_log_probs_the_trainer_computes():
+    """Sampled rollouts: the decoder's log p of every generated token equals the training forward's (the model's
+    logits / T, whole vocabulary, at the token's position) on the finished sequences; greedy ones record none."""
+    from engine.decoder import Decoder
+    from engine.grpo import forward_logps
+    from engine.head import install
+
+    model = tiny_model()
+    torch.manual_seed(0)
+    ids, mask = torch.randint(3, 512, (3, 6)), torch.ones(3, 6, dtype=torch.long)
+    mask[2, :2] = 0  # left padding
+    dec = Decoder(model, "cpu", 4, 32, compile=False)
+    T = 0.7
+    out = dec.generate(ids, mask, 7, eos_id=1, pad_id=0, temperature=T, top_p=0.9)
+    rec = dec.last_logps  # (3, T_r)
+    assert rec.shape == (3, out.shape[1] - 6)
+    attn = torch.cat([mask, torch.ones_like(out[:, 6:])], dim=1)
+    with torch.no_grad():
+        train, _ = forward_logps(install(model), out, attn, T)  # (3, T-1): target t + 1 from position t
+    want = train[:, 5:]  # the response tokens' targets
+    assert torch.allclose(rec, want, atol=1e-4), (rec - want).abs().max()
+    assert (rec - want).abs().max() < 0.01 * want.abs().mean()  # not both ~0: a misaligned column is nats off
+    dec.generate(ids, mask, 7, eos_id=1, pad_id=0, temperature=0.0)
+    assert dec.last_logps is None
+
+
 def test_a_tokenizer_without_a_pad_token_pads_with_eos(tmp_path, capsys):
     """GRPO left-pads prompts with the pad token: a tokenizer without one gets its EOS token (noted once), and a
     batch of prompts of different lengths pads."""
