@@ -194,6 +194,11 @@ class GRPOConfig:
     aggregation: str = "grpo"
     """grpo | dapo | dr_grpo."""
     normalize_std: bool = True
+    rollout_correction: str = "none"
+    """none | tis | mis: correct the policy gradient for the rollout/train mismatch with the rollout decoder's own
+    log-probs (engine/grpo_math.py: GRPOLossConfig). Local chain rollouts only."""
+    rollout_correction_cap: float = 2.0
+    """tis: weights are truncated to it; mis: tokens whose weight exceeds it are masked."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (DAPO): they carry no signal."""
     tree: TreeConfig = field(default_factory=TreeConfig)
@@ -392,6 +397,10 @@ def validate(r: Recipe) -> list[str]:
         p.append(f"grpo.min_new_tokens ({g.min_new_tokens}) must be in [0, grpo.max_new_tokens ({g.max_new_tokens})]")
     elif g.min_new_tokens and (g.tree.enabled or g.rollout == "engine"):
         p.append("grpo.min_new_tokens works with the local decoder's chain rollouts only; set it to 0 with "
+                 + ("grpo.tree" if g.tree.enabled else "grpo.rollout: engine"))
+    if g.rollout_correction != "none" and (g.tree.enabled or g.rollout == "engine"):
+        p.append(f"grpo.rollout_correction {g.rollout_correction} needs the rollout decoder's log-probs, which "
+                 "only the local decoder's chain rollouts record; set it to none with "
                  + ("grpo.tree" if g.tree.enabled else "grpo.rollout: engine"))
     if g.temperature <= 0:
         p.append(f"grpo.temperature ({g.temperature}) must be > 0: rollouts sample from softmax(logits / temperature) "

@@ -159,7 +159,8 @@ def decoder_fit_problem(hf_config, dtype: torch.dtype, batch: int, cache_len: in
 def loss_config(g: GRPOConfig) -> GRPOLossConfig:
     """The loss fields of the recipe's grpo section, as the math module takes them."""
     return GRPOLossConfig(clip_low=g.clip_low, clip_high=g.clip_high, beta=g.beta, kl=g.kl, aggregation=g.aggregation,
-                          normalize_std=g.normalize_std, max_new_tokens=g.max_new_tokens)
+                          normalize_std=g.normalize_std, max_new_tokens=g.max_new_tokens,
+                          rollout_correction=g.rollout_correction, rollout_correction_cap=g.rollout_correction_cap)
 
 
 def preflight(args, world: World):
@@ -436,7 +437,8 @@ def policy_update(run: Run, r: Rollouts, adv, old, refl, count: float) -> tuple[
             logp, ent = forward_logps(run.policy, r.ids[sl], r.attn[sl], run.g.temperature, with_entropy=True)
             loss, stats = policy_loss(logp, logp.detach() if old is None else old[sl], adv[sl], r.resp_mask[sl],
                                       run.loss_cfg, ref_logp=None if refl is None else refl[sl], entropy=ent,
-                                      token_normalizer=normalizer if run.g.aggregation == "dapo" else None)
+                                      token_normalizer=normalizer if run.g.aggregation == "dapo" else None,
+                                      rollout_logp=None if r.rollout_logp is None else r.rollout_logp[sl])
             run.policy.backward(loss)
             run.policy.step()
             for k, v in {"loss": loss.detach(), **stats}.items():  # device tensors: no host wait per micro-batch

@@ -17,6 +17,7 @@ import torch
 
 AGGREGATIONS = ("grpo", "dapo", "dr_grpo")
 KL_ESTIMATORS = ("k1", "k3")
+ROLLOUT_CORRECTIONS = ("none", "tis", "mis")
 
 
 @dataclass
@@ -35,6 +36,12 @@ class GRPOLossConfig:
     """Divide group advantages by the group's std (GRPO); False = Dr. GRPO."""
     max_new_tokens: int | None = None
     """The rollout length limit; dr_grpo divides by sequences x max_new_tokens."""
+    rollout_correction: str = "none"
+    """none | tis | mis: correct the policy-gradient term for the rollout/train mismatch with w = pi_train(old) /
+    pi_rollout per token (the trainer's and the rollout decoder's log-probs of the sampled token, same weights):
+    tis weights it by min(w, cap) (truncated importance sampling); mis weights it by w and zeroes the tokens whose w
+    exceeds the cap (masked importance sampling). The KL term is not weighted."""
+    rollout_correction_cap: float = 2.0
 
     def validate(self, where: str = "grpo") -> list[str]:
         """Every problem, one string each, named `where.field` (empty list = valid)."""
@@ -49,6 +56,12 @@ class GRPOLossConfig:
             p.append(f"{where}.kl: {self.kl!r} is not an estimator (choose one of {', '.join(KL_ESTIMATORS)})")
         if self.aggregation not in AGGREGATIONS:
             p.append(f"{where}.aggregation: {self.aggregation!r} is unknown (choose one of {', '.join(AGGREGATIONS)})")
+        if self.rollout_correction not in ROLLOUT_CORRECTIONS:
+            p.append(f"{where}.rollout_correction: {self.rollout_correction!r} is unknown (choose one of "
+                     f"{', '.join(ROLLOUT_CORRECTIONS)})")
+        if not self.rollout_correction_cap > 0:
+            p.append(f"{where}.rollout_correction_cap ({self.rollout_correction_cap}) must be > 0 (the largest "
+                     "importance weight kept; 2.0 is usual)")
         if self.aggregation == "dr_grpo" and (self.max_new_tokens is None or self.max_new_tokens < 1):
             p.append(f"{where}.max_new_tokens ({self.max_new_tokens}) must be >= 1 with aggregation dr_grpo "
                      "(it is the loss's constant denominator); set it to the rollout length limit")
@@ -124,7 +137,7 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                 response_mask: torch.Tensor, cfg: GRPOLossConfig, ref_logp: torch.Tensor | None = None,
                 entropy: torch.Tensor | None = None, token_normalizer: float | None = None,
-                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                rollout_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped surrogate (+ beta x KL to the reference), aggregated per `cfg.aggregation`.
 
     logp, old_logp, ref_logp, entropy, response_mask: (B, T). advantages: (B,) per sequence or (B, T).
@@ -135,17 +148,22 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
 
     Returns (loss, stats); stats are detached 0-d tensors, means over response tokens: clip_frac_low
     (ratio < 1 - clip_low with A < 0: clipped, no gradient), clip_frac_high (ratio > 1 + clip_high with
-    A > 0), ratio_mean, and kl_mean / entropy_mean when ref_logp / entropy are given."""
+    A > 0), ratio_mean, and kl_mean / entropy_mean when ref_logp / entropy are given; with cfg.rollout_correction
+    (rollout_logp: the rollout's own log-probs of the tokens, (B, T)), rollout_corrected_frac: the share of tokens
+    whose weight was truncated (tis) or that were masked (mis)."""
     problems = cfg.validate()
     if problems:
         raise ValueError("; ".join(problems))
+    if cfg.rollout_correction != "none" and rollout_logp is None:
+        raise ValueError(f"grpo.rollout_correction {cfg.rollout_correction} needs rollout_logp (the rollout's own "
+                         "log-probs of the sampled tokens)")
     if cfg.beta > 0 and ref_logp is None:
         raise ValueError(f"grpo.beta ({cfg.beta}) > 0 needs ref_logp (the reference policy's log-probs); "
                          "pass it or set beta to 0")
     if token_normalizer is not None and cfg.aggregation != "dapo":
         raise ValueError(f"token_normalizer applies to aggregation dapo only, not {cfg.aggregation!r}")
     for name, t in (("old_logp", old_logp), ("response_mask", response_mask), ("ref_logp", ref_logp),
-                    ("entropy", entropy)):
+                    ("entropy", entropy), ("rollout_logp", rollout_logp)):
         if t is not None and t.shape != logp.shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected logp's {tuple(logp.shape)} (B, T)")
     if advantages.shape not in (logp.shape[:1], logp.shape):
@@ -163,6 +181,15 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     ratio = torch.exp(logp_r - torch.where(on, old_logp.detach(), zero))  # (B, T), 1 off the response
     clipped = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
     per_token = -torch.min(ratio * adv, clipped * adv)  # (B, T)
+    corrected = None
+    if cfg.rollout_correction != "none":  # w = pi_train(old) / pi_rollout per token, no gradient
+        w = torch.exp(torch.where(on, old_logp.detach() - rollout_logp.detach(), zero))
+        if cfg.rollout_correction == "tis":
+            per_token = per_token * w.clamp(max=cfg.rollout_correction_cap)
+            corrected = w > cfg.rollout_correction_cap
+        else:  # mis
+            corrected = w > cfg.rollout_correction_cap
+            per_token = torch.where(corrected, zero, per_token * w)
 
     kl = None
     if ref_logp is not None:
@@ -191,4 +218,6 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
             stats["kl_mean"] = _masked_mean(kl, mask)
         if entropy is not None:
             stats["entropy_mean"] = _masked_mean(entropy.detach(), mask)
+        if corrected is not None:
+            stats["rollout_corrected_frac"] = _masked_mean(corrected.to(mask.dtype), mask)
     return loss, stats

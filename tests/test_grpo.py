@@ -76,20 +76,27 @@ def grpo_ds(path, fp32: bool):
                     train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=1)
 
 
-def probe(pretrained, name: str, ranks: int, kind: str, fp32: bool, *extra, iterations: int = 1) -> list[dict]:
+def probe(pretrained, name: str, ranks: int, kind: str, fp32: bool, *extra, iterations: int = 1,
+          grpo: str = "") -> list[dict]:
     d = pretrained / name
     d.mkdir()
     (d / "grpo.yaml").write_text(GRPO_RECIPE.replace("PROMPTS", str(pretrained / "prompts.jsonl"))
-                                 .replace("rollout: KIND", f"rollout: {kind}, iterations: {iterations}"))
+                                 .replace("rollout: KIND", f"rollout: {kind}, iterations: {iterations}{grpo}"))
     run_launcher(ranks, PROBE, "--out", d / "out", *extra, "--deepspeed_config", grpo_ds(d / "ds.json", fp32),
                  "--config", d / "grpo.yaml", "--init_from", pretrained / "hf", "--run_dir", d / "run", cwd=d)
     return [json.loads((d / "out" / f"rank{r}.json").read_text()) for r in range(ranks)]
 
 
+LOCAL_GRPO = ", rollout_correction: tis, rollout_correction_cap: 0.5"
+
+
 @pytest.fixture(scope="module")
 def runs(pretrained):
-    """Two 2-rank GRPO runs (2 steps, beta > 0): local rollouts in fp32, engine rollouts in bf16 (as shipped)."""
-    return {"local": probe(pretrained, "local", 2, "local", True), "engine": probe(pretrained, "engine", 2, "engine", False)}
+    """Two 2-rank GRPO runs (2 steps, beta > 0): local rollouts in fp32, engine rollouts in bf16 (as shipped). The
+    local run corrects for the rollout/train mismatch (tis) with a cap of 0.5, below every weight (all ~1 in fp32):
+    each token's policy gradient is halved, and the rows say every token was truncated."""
+    return {"local": probe(pretrained, "local", 2, "local", True, grpo=LOCAL_GRPO),
+            "engine": probe(pretrained, "engine", 2, "engine", False)}
 
 
 @pytest.mark.parametrize("kind", ["local", "engine"])
@@ -139,9 +146,11 @@ def test_the_rollout_train_mismatch_is_on_every_row(runs):
         for row in info["rows"][1:]:
             assert 0 < row["rollout_logp_diff_mean"] <= row["rollout_logp_diff_max"] < 1e-4, row
             assert abs(row["rollout_kl_k3"]) < 1e-8, row
+            assert row["rollout_corrected_frac"] == 1.0, row  # tis: every weight (~1) above the cap of 0.5
         a, b = runs["local"]
         assert a["rows"][1]["rollout_logp_diff_max"] == b["rows"][1]["rollout_logp_diff_max"]  # over both ranks
-    assert not any("rollout_logp_diff_mean" in row for info in runs["engine"] for row in info["rows"])
+    assert not any("rollout_logp_diff_mean" in row or "rollout_corrected_frac" in row
+                   for info in runs["engine"] for row in info["rows"])
 
 
 def test_local_rollouts_finish_at_different_lengths_without_a_hang(runs):
@@ -222,7 +231,7 @@ def test_decoder_is_built_once_and_samples_as_generate_on_two_ranks(runs):
 @pytest.fixture(scope="module")
 def old_logps_run(pretrained):
     """The 2-rank local run again, but with the old-log-prob forward that iterations 1 now skips."""
-    return probe(pretrained, "local_old", 2, "local", True, "--force_old_logps")
+    return probe(pretrained, "local_old", 2, "local", True, "--force_old_logps", grpo=LOCAL_GRPO)
 
 
 def test_skipping_the_old_logprob_forward_changes_no_number(runs, old_logps_run):

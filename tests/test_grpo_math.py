@@ -152,6 +152,37 @@ def test_clipping_both_sides_and_zero_gradient():
     assert logp.grad[0].tolist() == pytest.approx(expected, abs=1e-12)
 
 
+# --- the loss: rollout correction -----------------------------------------------------------------------
+
+def test_rollout_correction_truncates_or_masks_by_the_rollout_weight():
+    # ratio 1 (first pass: old = logp), advantage +1 on 4 tokens; w = pi_train / pi_rollout = 4, 1.5, 0.25, 1
+    logp = torch.log(t([[0.4, 0.3, 0.1, 0.2]])).requires_grad_()
+    rollout = torch.log(t([[0.1, 0.2, 0.4, 0.2]]))
+    ones, adv = torch.ones(1, 4, dtype=torch.float64), t([1.0])
+    # tis, cap 2: per token -min(w, 2) x 1 = -2, -1.5, -0.25, -1; dapo mean -4.75 / 4; 1 of 4 truncated
+    cfg = GRPOLossConfig(aggregation="dapo", rollout_correction="tis", rollout_correction_cap=2.0)
+    loss, stats = policy_loss(logp, logp.detach(), adv, ones, cfg, rollout_logp=rollout)
+    assert loss.item() == pytest.approx(-4.75 / 4, rel=1e-12)
+    assert stats["rollout_corrected_frac"].item() == pytest.approx(0.25)
+    loss.backward()
+    assert logp.grad[0].tolist() == pytest.approx([-0.5, -0.375, -0.0625, -0.25], abs=1e-12)  # weight x r A / 4
+    # mis, cap 2: the token with w = 4 > 2 masked, the others weighted by w: -(1.5 + 0.25 + 1) / 4
+    logp.grad = None
+    cfg = GRPOLossConfig(aggregation="dapo", rollout_correction="mis", rollout_correction_cap=2.0)
+    loss, stats = policy_loss(logp, logp.detach(), adv, ones, cfg, rollout_logp=rollout)
+    assert loss.item() == pytest.approx(-2.75 / 4, rel=1e-12)
+    assert stats["rollout_corrected_frac"].item() == pytest.approx(0.25)
+    loss.backward()
+    assert logp.grad[0].tolist() == pytest.approx([0.0, -0.375, -0.0625, -0.25], abs=1e-12)
+    # none: the plain surrogate, no statistic
+    loss, stats = policy_loss(logp, logp.detach(), adv, ones, GRPOLossConfig(aggregation="dapo"), rollout_logp=rollout)
+    assert loss.item() == pytest.approx(-1.0) and "rollout_corrected_frac" not in stats
+    with pytest.raises(ValueError, match="needs rollout_logp"):
+        policy_loss(logp, logp.detach(), adv, ones, GRPOLossConfig(rollout_correction="tis"))
+    problems = GRPOLossConfig(rollout_correction="is", rollout_correction_cap=0.0).validate()
+    assert [p.split(" ")[0].rstrip(":") for p in problems] == ["grpo.rollout_correction", "grpo.rollout_correction_cap"]
+
+
 # --- the loss: KL to the reference ---------------------------------------------------------------------
 
 def test_kl_term_value_and_gradient():
