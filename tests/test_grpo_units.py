@@ -102,6 +102,21 @@ def test_sampling_fields_are_validated(field, value, expect):
     load_recipe(ROOT / "engine" / "recipes" / "grpo_tiny.yaml", {"grpo.temperature": 0.7, "grpo.top_p": 1.0})
 
 
+@pytest.mark.parametrize("overrides, expect", [
+    ({"grpo.rollout_correction": "tis", "grpo.rollout": "engine"},
+     "grpo.rollout_correction tis needs the rollout decoder's log-probs, which only the local decoder's chain rollouts "
+     "record; set it to none with grpo.rollout: engine"),
+    ({"grpo.rollout_correction": "mis", "grpo.tree": {"enabled": True}}, "set it to none with grpo.tree"),
+    ({"grpo.min_new_tokens": 2, "grpo.rollout": "engine"}, "grpo.min_new_tokens works with the local decoder's chain"),
+])
+def test_what_needs_the_decoders_chains_is_refused_without_them(overrides, expect):
+    from engine.config import ConfigError, load_recipe
+
+    with pytest.raises(ConfigError) as e:
+        load_recipe(ROOT / "engine" / "recipes" / "grpo_tiny.yaml", overrides)
+    assert expect in str(e.value) and "\n" not in str(e.value)
+
+
 def test_min_new_tokens_masks_eos_until_then():
     """grpo.min_new_tokens (equal-length benchmarks): a model that always prefers EOS still writes min_new_tokens
     tokens before it, then stops at once; without it, it stops at the first token."""
