@@ -154,6 +154,21 @@ def decoder_fit_problem(hf_config, dtype: torch.dtype, batch: int, cache_len: in
             "for models that do not fit one device) or use fewer sequences per rank")
 
 
+DECODER_MODEL_TYPES = ("deepseek_v3", "qwen3_moe")  # what the local rollout decoder (engine/decoder.py) is tested on
+
+
+def decoder_family_problem(hf_config) -> str | None:
+    """Why the local rollout decoder cannot take this model family, or None when it can."""
+    kind = hf_config.model_type
+    if kind in DECODER_MODEL_TYPES:
+        return None
+    why = ("its Gated DeltaNet (linear attention) layers keep a recurrent state that the decoder's static KV cache "
+           "does not hold" if "linear_attention" in (getattr(hf_config, "layer_types", None) or []) else
+           f"the decoder is built and tested for {' and '.join(DECODER_MODEL_TYPES)} only")
+    return (f"grpo.rollout: local (the persistent rollout decoder) cannot take a {kind} model: {why}; set "
+            "grpo.rollout: engine (generation through the DeepSpeed engine)")
+
+
 def loss_config(g: GRPOConfig) -> GRPOLossConfig:
     """The loss fields of the recipe's grpo section, as the math module takes them."""
     return GRPOLossConfig(clip_low=g.clip_low, clip_high=g.clip_high, beta=g.beta, kl=g.kl, aggregation=g.aggregation,
@@ -217,6 +232,13 @@ def preflight(args, world: World):
                 problems.append(f"{name} row {i + 1}: prompt of {n} tokens + grpo.max_new_tokens {g.max_new_tokens} "
                                 f"exceeds the context ({limit}); shorten it or lower max_new_tokens")
                 break
+    problem = decoder_family_problem(hf_config)
+    if problem and (g.rollout == "local" or g.tree.enabled):
+        problems.append(problem if g.rollout == "local" else f"{problem} (grpo.tree needs the local decoder)")
+    elif problem and g.rollout == "auto":
+        print0(f"note: {problem.split(';')[0]}: grpo.rollout auto picks engine")
+        recipe = replace(recipe, grpo=replace(g, rollout="engine"))
+        g = recipe.grpo
     if not problems and g.rollout != "engine" and device_kind() == "cuda":
         cache_len = decoder_cache_len(prompts + evals, cache_tokens(g))
         problem = decoder_fit_problem(hf_config, model_dtype(ds), per_rank, cache_len,
