@@ -9,19 +9,21 @@ ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = ROOT / "engine" / "assets" / "tokenizer"
 
 COMMON = dict(vocab_size=512, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=128, num_experts_per_tok=2, moe_intermediate_size=48, tie_word_embeddings=False)
+              max_position_embeddings=128, num_experts_per_tok=2, tie_word_embeddings=False)
 FAMILIES = {
-    "mixtral": dict(intermediate_size=48, num_local_experts=4),
-    "deepseek_v2": dict(intermediate_size=64, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=0,
-                        kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+    "mixtral": dict(intermediate_size=48, num_local_experts=4),  # intermediate_size: the experts' width
+    "deepseek_v2": dict(intermediate_size=64, moe_intermediate_size=48, n_routed_experts=4, n_shared_experts=1,
+                        first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
                         num_key_value_heads=4),
-    "qwen3_5_moe_text": dict(num_experts=4, shared_expert_intermediate_size=48, head_dim=8, linear_num_key_heads=2,
-                             linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+    "qwen3_5_moe_text": dict(num_experts=4, moe_intermediate_size=48, shared_expert_intermediate_size=48, head_dim=8,
+                             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
                              layer_types=["linear_attention", "full_attention"]),
 }
 
 
 def save_tiny(family: str, out: Path, seed: int = 0) -> Path:
+    """A 2-layer model of `family` (a Hugging Face model_type above): hidden 32, 4 experts top-2 (+ 1 shared expert
+    in DeepSeek-V2 and Qwen3.5-MoE; Qwen3.5-MoE's first layer Gated DeltaNet, its second full attention)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

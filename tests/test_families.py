@@ -1,0 +1,190 @@
+"""Model families from a user's own Hugging Face checkpoint (model.init_from): Mixtral, DeepSeek-V2 and Qwen3.5-MoE's
+text model, each a tiny random-init model saved with save_pretrained and the bundled tokenizer
+(tests/scripts/family_models.py), the recipe naming nothing but the directory.
+
+Per family, tests/scripts/pretrain_logits.py trains 3 steps in fp32 under ZeRO-3 + AutoEP twice on the same global
+batch: 1 rank x micro-batch 2 (in this process) and 2 ranks x micro-batch 1 (the rank pool, expert parallel 2: each
+rank holds 2 of the 4 experts), saving the engine's logits for conftest.fixed_ids() before the first step and after
+the last. Checked: the engine before training equals transformers' own model loaded from the directory; 2 ranks
+train as 1; the 2-rank checkpoint exported by bin/zero_to_fp32 loads with from_pretrained under the family's own
+keys and gives the engine's logits. What a family cannot do is refused in one line before any rank starts.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, fixed_ids, fp32_zero3, pretrain_job, read_metrics, run_in_process, run_ranks, write_ds
+
+sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+from family_models import save_tiny  # noqa: E402
+
+FAMILIES = {"mixtral": "mixtral", "deepseek_v2": "deepseek_v2", "qwen3_5_moe_text": "qwen3_5_moe"}  # -> model.arch
+TOL = 1e-5
+RECIPE = """
+model: {{init_from: {init}}}
+data: {{seq_len: 32}}
+train: {{max_steps: 3, warmup_steps: 1, log_every: 1}}
+"""
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory) -> dict:
+    """One family's saved model and its 1-rank and 2-rank runs (conftest.pretrain_job dicts, with "before": the
+    logits before the first step)."""
+    name = request.param
+    tmp = tmp_path_factory.mktemp(name)
+    init = save_tiny(name, tmp / "hf")
+    runs = {}
+    for ranks in (1, 2):
+        d = tmp / f"ranks{ranks}"
+        d.mkdir()
+        ds = fp32_zero3(d / "ds.json", FAMILIES[name], micro=3 - ranks)  # the same global batch of 2
+        job, run = pretrain_job(d, RECIPE.format(init=init), ranks, ds)
+        run_ranks(*job, "--logits_before", d / "before.pt", cwd=d)
+        run["logits"], run["before"] = torch.load(d / "logits.pt"), torch.load(d / "before.pt")
+        runs[ranks] = run
+    return {"name": name, "init": init, **runs}
+
+
+def hf_logits(path: Path) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=fixed_ids()).logits.float()
+
+
+def test_the_engine_is_transformers_model_on_the_same_weights(family):
+    """Before any step, the engine (AutoEP's routing and experts, ZeRO-3, on 1 rank and on 2 with expert parallel
+    2) gives transformers' own logits for the model in the directory."""
+    reference = hf_logits(family["init"])
+    for ranks in (1, 2):
+        diff = (family[ranks]["before"] - reference).abs().max().item()
+        print(f"\n{family['name']} {ranks} rank(s): max abs logit diff engine vs transformers = {diff:.3g}")
+        assert diff <= TOL, (ranks, diff)
+
+
+def test_two_ranks_train_as_one(family):
+    one, two = family[1], family[2]
+    l1 = [r["loss"] for r in read_metrics(one["run"]) if "loss" in r]
+    l2 = [r["loss"] for r in read_metrics(two["run"]) if "loss" in r]
+    assert len(l1) == len(l2) == 3
+    assert np.allclose(l1, l2, rtol=1e-5), (l1, l2)
+    assert not torch.equal(one["logits"], one["before"])  # it trained
+    # fp32 on both; they differ by summation order only (see tests/test_two_ranks.py), which Adam can amplify to ~1e-5
+    # in a few parameters after 3 steps; a wrong expert slice or routing would move logits by far more than 1e-4.
+    diff = (one["logits"] - two["logits"]).abs().max().item()
+    print(f"\n{family['name']}: max abs logit diff 2 ranks vs 1 after 3 steps = {diff:.3g}")
+    assert diff < 1e-4, diff
+
+
+def test_export_loads_with_the_familys_keys_and_gives_the_engines_logits(family, tmp_path, capfd, monkeypatch):
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine.export.write import main
+
+    out = tmp_path / "hf"
+    p = run_in_process(main, [family[2]["run"], out], capfd, monkeypatch)
+    assert p.returncode == 0, p.stdout + p.stderr
+    # transformers' own model of the directory, as loaded (its save_pretrained writes per-expert tensors instead, which
+    # from_pretrained fuses on loading: either layout loads)
+    own = {k: tuple(t.shape) for k, t in AutoModelForCausalLM.from_pretrained(family["init"]).state_dict().items()}
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    got = {}
+    for name in set(index["weight_map"].values()):
+        with safe_open(out / name, "pt") as f:
+            got.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+    assert got == own
+    assert AutoConfig.from_pretrained(out).architectures == AutoConfig.from_pretrained(family["init"]).architectures
+    diff = (hf_logits(out) - family[2]["logits"]).abs().max().item()
+    print(f"\n{family['name']}: max abs logit diff exported model vs engine = {diff:.3g}")
+    assert diff <= TOL, diff
+
+
+# ------------------------------------------------------------------------------------------------- refusals
+
+
+def recipe_problem(tmp_path: Path, text: str) -> str:
+    from engine.config import ConfigError, load_recipe
+
+    (tmp_path / "r.yaml").write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_recipe(tmp_path / "r.yaml")
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_init_from_takes_the_family_and_sizes_from_config_json(tmp_path):
+    from engine.config import load_recipe
+
+    for name, arch in FAMILIES.items():
+        init = save_tiny(name, tmp_path / name)
+        (tmp_path / "r.yaml").write_text(f"model: {{arch: deepseek_v3, hidden_size: 64, init_from: {init}}}\n")
+        m = load_recipe(tmp_path / "r.yaml").model
+        assert (m.arch, m.hidden_size, m.num_layers, m.num_experts, m.experts_per_token) == (arch, 32, 2, 4, 2)
+        assert m.num_shared_experts == (0 if name == "mixtral" else 1)
+
+
+def test_a_deepseek_config_with_fewer_key_value_heads_is_refused(tmp_path):
+    """transformers' DeepSeek-V2 attention (MLA) fails in its first forward when num_key_value_heads differs from
+    num_attention_heads ("The size of tensor a (4) must match the size of tensor b (8)" on every rank)."""
+    init = save_tiny("deepseek_v2", tmp_path / "hf")
+    cfg = json.loads((init / "config.json").read_text())
+    (init / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": 2}))
+    line = recipe_problem(tmp_path, f"model: {{init_from: {init}}}\n")
+    assert "config.json has num_key_value_heads 2 but num_attention_heads 4" in line
+    assert "set num_key_value_heads to 4" in line
+
+
+@pytest.mark.parametrize("model_type, expect", [
+    ("llama", "model_type 'llama' is not a supported family (supported model_type values: deepseek_v3, deepseek_v2, "
+              "qwen3_moe, qwen3_5_moe_text, mixtral)"),
+    ("qwen3_5_moe", "model_type qwen3_5_moe is the Qwen3.5-MoE vision-language model; the engine trains its text-only "
+                    "causal LM (model_type qwen3_5_moe_text)")])
+def test_an_unsupported_model_type_is_refused(tmp_path, model_type, expect):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": model_type}))
+    assert expect in recipe_problem(tmp_path, f"model: {{init_from: {tmp_path / 'hf'}}}\n")
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v2", "qwen3_5_moe"])
+def test_aux_loss_free_balancing_is_refused_without_a_routing_bias(tmp_path, arch):
+    line = recipe_problem(tmp_path, f"model: {{arch: {arch}}}\ntrain: {{balance_rate: 0.01}}\n")
+    assert f"train.balance_rate: aux-loss-free balancing needs a routing-bias buffer that {arch} does not have" in line
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v2", "qwen3_5_moe"])
+def test_pipeline_mode_is_refused(tmp_path, arch, capfd, monkeypatch):
+    from engine.pretrain import main
+
+    (tmp_path / "r.yaml").write_text(f"model: {{arch: {arch}}}\ntrain: {{max_steps: 1}}\n")
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    p = run_in_process(main, ["--deepspeed_config", ROOT / "ds_configs" / "pipe.json", "--config", tmp_path / "r.yaml",
+                              "--run_dir", tmp_path / "run"], capfd, monkeypatch)
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), p.stderr
+    assert f"model.arch {arch}: pipeline mode builds its stages for deepseek_v3 and qwen3_moe only" in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_rollout_decoder_refuses_gated_deltanet_and_untested_families():
+    from engine.config import ModelConfig
+    from engine.grpo import decoder_family_problem
+    from engine.model import make_hf_config
+
+    assert decoder_family_problem(make_hf_config(ModelConfig(arch="deepseek_v3"))) is None
+    assert decoder_family_problem(make_hf_config(ModelConfig(arch="qwen3_moe"))) is None
+    line = decoder_family_problem(make_hf_config(ModelConfig(arch="qwen3_5_moe", num_layers=4)))
+    assert line.startswith("grpo.rollout: local (the persistent rollout decoder) cannot take a qwen3_5_moe_text model: "
+                           "its Gated DeltaNet (linear attention) layers keep a recurrent state")
+    assert line.endswith("set grpo.rollout: engine (generation through the DeepSpeed engine)")
+    assert "tested for deepseek_v3 and qwen3_moe only" in decoder_family_problem(
+        make_hf_config(ModelConfig(arch="mixtral")))
