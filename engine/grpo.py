@@ -154,7 +154,7 @@ def decoder_fit_problem(hf_config, dtype: torch.dtype, batch: int, cache_len: in
             "for models that do not fit one device) or use fewer sequences per rank")
 
 
-DECODER_MODEL_TYPES = ("deepseek_v3", "qwen3_moe")  # what the local rollout decoder (engine/decoder.py) is tested on
+DECODER_MODEL_TYPES = ("deepseek_v3", "qwen3_moe", "mixtral")  # the families the local rollout decoder takes
 
 
 def decoder_family_problem(hf_config) -> str | None:
@@ -162,9 +162,13 @@ def decoder_family_problem(hf_config) -> str | None:
     kind = hf_config.model_type
     if kind in DECODER_MODEL_TYPES:
         return None
-    why = ("its Gated DeltaNet (linear attention) layers keep a recurrent state that the decoder's static KV cache "
-           "does not hold" if "linear_attention" in (getattr(hf_config, "layer_types", None) or []) else
-           f"the decoder is built and tested for {' and '.join(DECODER_MODEL_TYPES)} only")
+    if "linear_attention" in (getattr(hf_config, "layer_types", None) or []):
+        why = ("its Gated DeltaNet (linear attention) layers keep a recurrent state that the decoder's static KV cache "
+               "does not hold")
+    elif kind == "deepseek_v2":
+        why = "the decoder's absorbed MLA attention applies DeepSeek-V3's rotary embedding, not DeepSeek-V2's"
+    else:
+        why = f"the decoder is built and tested for {', '.join(DECODER_MODEL_TYPES)} only"
     return (f"grpo.rollout: local (the persistent rollout decoder) cannot take a {kind} model: {why}; set "
             "grpo.rollout: engine (generation through the DeepSpeed engine)")
 

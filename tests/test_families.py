@@ -175,16 +175,48 @@ def test_pipeline_mode_is_refused(tmp_path, arch, capfd, monkeypatch):
     assert not (tmp_path / "run").exists()
 
 
-def test_the_rollout_decoder_refuses_gated_deltanet_and_untested_families():
+def test_the_rollout_decoder_refuses_gated_deltanet_and_deepseek_v2():
+    """Measured before refusing: the decoder's greedy tokens differed from generate's on a tiny Qwen3.5-MoE (its Gated
+    DeltaNet state is not in the static cache), and a DeepSeek-V2 failed in the decoder's MLA (AttributeError:
+    'DeepseekV2Config' object has no attribute 'rope_interleave')."""
     from engine.config import ModelConfig
     from engine.grpo import decoder_family_problem
     from engine.model import make_hf_config
 
-    assert decoder_family_problem(make_hf_config(ModelConfig(arch="deepseek_v3"))) is None
-    assert decoder_family_problem(make_hf_config(ModelConfig(arch="qwen3_moe"))) is None
+    for arch in ("deepseek_v3", "qwen3_moe", "mixtral"):
+        assert decoder_family_problem(make_hf_config(ModelConfig(arch=arch, num_kv_heads=2))) is None
     line = decoder_family_problem(make_hf_config(ModelConfig(arch="qwen3_5_moe", num_layers=4)))
     assert line.startswith("grpo.rollout: local (the persistent rollout decoder) cannot take a qwen3_5_moe_text model: "
                            "its Gated DeltaNet (linear attention) layers keep a recurrent state")
     assert line.endswith("set grpo.rollout: engine (generation through the DeepSpeed engine)")
-    assert "tested for deepseek_v3 and qwen3_moe only" in decoder_family_problem(
-        make_hf_config(ModelConfig(arch="mixtral")))
+    assert "absorbed MLA attention applies DeepSeek-V3's rotary embedding" in decoder_family_problem(
+        make_hf_config(ModelConfig(arch="deepseek_v2")))
+
+
+@pytest.mark.parametrize("experts", ["grouped_mm", "dense"])
+def test_the_rollout_decoder_samples_a_mixtral_as_generate(experts, monkeypatch):
+    """As tests/test_rollout.py checks DeepSeek-V3: greedy tokens equal transformers' generate on the same weights,
+    again after every weight changed and the decoder was refreshed in place."""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    from engine.config import ModelConfig
+    from engine.decoder import Decoder
+    from engine.model import make_hf_config
+
+    monkeypatch.setattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)  # a ZeRO-3 engine built earlier here
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(make_hf_config(ModelConfig(arch="mixtral", num_kv_heads=2))).eval()
+    ids = torch.randint(1, 512, (3, 9))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    dec = Decoder(model, "cpu", batch_size=4, cache_len=32, decode_experts=experts)
+    for _ in range(2):
+        with torch.no_grad():
+            ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+        got = dec.generate(ids, mask, 10, eos_id=-1, pad_id=0, temperature=0)
+        assert torch.equal(got, ref[:, : got.shape[1]]) and got.shape[1] == ref.shape[1]
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        dec.refresh(model)
