@@ -140,6 +140,23 @@ def test_export_loads_with_the_familys_keys_and_gives_the_engines_logits(family,
     assert diff <= TOL, diff
 
 
+def test_zero2_export_of_a_shared_expert_gate_gives_the_engines_logits(tmp_path, capfd, monkeypatch):
+    """ZeRO-2 (engine/export/zero12.py) on Qwen3.5-MoE, the family whose shared expert and its gate AutoEP renames:
+    2 ranks, expert parallel 2, exported, loaded with from_pretrained, the engine's logits."""
+    from engine.export.write import main
+
+    init = save_tiny("qwen3_5_moe_text", tmp_path / "hf")
+    z2 = json.loads((ROOT / "ds_configs" / "zero2.json").read_text())
+    ds = write_ds(tmp_path / "ds.json", base=ROOT / "ds_configs" / "zero2.json", drop=("bf16",),
+                  train_micro_batch_size_per_gpu=1, expert_parallel={**z2["expert_parallel"], "autoep_size": 2})
+    job, run = pretrain_job(tmp_path / "z2", RECIPE.format(init=init), 2, ds)
+    run_ranks(*job, cwd=tmp_path / "z2")
+    p = run_in_process(main, [run["run"], tmp_path / "out"], capfd, monkeypatch)
+    assert p.returncode == 0, p.stdout + p.stderr
+    diff = (hf_logits(tmp_path / "out") - torch.load(run["dir"] / "logits.pt")).abs().max().item()
+    assert diff <= TOL, diff
+
+
 # ------------------------------------------------------------------------------------------------- refusals
 
 
