@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint, curriculum
-from .config import ConfigError, GRPOConfig, Recipe, load_recipe
+from .config import ConfigError, GRPOConfig, Recipe, load_recipe, model_from_hf_dir
 from .data import load_tokenizer
 from .ds_config import read_ds_config, resolve_ds_config, zero_stage
 from .grpo_math import GRPOLossConfig, group_advantages, keep_mask, policy_loss
@@ -227,6 +227,9 @@ def preflight(args, world: World):
         problems.append("no --init_from (nor model.init_from): GRPO would train a randomly initialised policy, which "
                         "earns no reward; pass --init_from a pretraining run dir, a checkpoint or a Hugging Face "
                         "model dir (or set grpo.allow_random_init: true, e.g. for benchmarks)")
+    found = model_from_hf_dir(replace(recipe.model, init_from=init)) if init is not None else []
+    if found:  # a Hugging Face dir of a family the engine does not train
+        raise ConfigError("; ".join(problems + [f.replace("model.init_from", "--init_from", 1) for f in found]))
     hf_config = model_config(init_from, init, recipe, tok)
     limit = hf_config.max_position_embeddings
     for name, rows in (("data.path", prompts), ("grpo.eval_path", evals)):

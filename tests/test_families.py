@@ -268,3 +268,18 @@ def test_the_rollout_decoder_samples_a_mixtral_as_generate(monkeypatch):
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
         dec.refresh(model)
+
+
+def test_grpo_refuses_a_model_of_another_family_in_one_line(tmp_path, capfd, monkeypatch):
+    from engine.grpo import main
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    p = run_in_process(main, ["--deepspeed_config", ROOT / "ds_configs" / "zero3_grpo.json", "--init_from",
+                              tmp_path / "hf", "--run_dir", tmp_path / "run"], capfd, monkeypatch,
+                       RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, LOCAL_SIZE=1)
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    assert lines[0] == (f"error: --init_from {tmp_path / 'hf'}: model_type 'llama' is not a supported family (supported "
+                        "model_type values: deepseek_v3, deepseek_v2, qwen3_moe, qwen3_5_moe_text, mixtral)")
+    assert not (tmp_path / "run").exists()
