@@ -7,8 +7,9 @@ batch: 1 rank x micro-batch 2 (in this process) and 2 ranks x micro-batch 1 (the
 rank holds 2 of the 4 experts), saving the engine's logits for conftest.fixed_ids() before the first step and after
 the last, and resumes the 2-rank run from its step-2 checkpoint on 2 ranks and on 1. Checked: the engine before
 training equals transformers' own model loaded from the directory; 2 ranks train as 1; resume is exact (on another
-world size: to summation order); the 2-rank checkpoint exported by bin/zero_to_fp32 loads with from_pretrained under the family's own
-keys and gives the engine's logits. What a family cannot do is refused in one line before any rank starts.
+world size: to summation order); the 2-rank checkpoint exported by bin/zero_to_fp32 loads with from_pretrained
+under the family's own keys and gives the engine's logits. What a family cannot do is refused in one line before
+any rank starts.
 """
 from __future__ import annotations
 
@@ -280,6 +281,43 @@ def test_grpo_refuses_a_model_of_another_family_in_one_line(tmp_path, capfd, mon
                        RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, LOCAL_SIZE=1)
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert p.returncode == 2 and len(lines) == 1, p.stderr
-    assert lines[0] == (f"error: --init_from {tmp_path / 'hf'}: model_type 'llama' is not a supported family (supported "
-                        "model_type values: deepseek_v3, deepseek_v2, qwen3_moe, qwen3_5_moe_text, mixtral)")
+    assert lines[0] == (f"error: --init_from {tmp_path / 'hf'}: model_type 'llama' is not a supported family "
+                        "(supported model_type values: deepseek_v3, deepseek_v2, qwen3_moe, qwen3_5_moe_text, mixtral)")
     assert not (tmp_path / "run").exists()
+
+
+GRPO_RECIPE = """
+model: {{init_from: {init}}}
+data: {{path: {prompts}}}
+train: {{max_steps: 2, lr: 1.0e-3, warmup_steps: 0, log_every: 1}}
+grpo: {{group_size: 4, max_new_tokens: 4, rollout: {rollout},
+       rewards: [{{name: length_penalty, target: 2, scale: 0.1}}]}}
+checkpoint: {{at_end: false}}
+"""
+
+
+def test_grpo_on_gated_deltanet_generates_through_the_engine(tmp_path, capfd, monkeypatch):
+    """Qwen3.5-MoE on 2 ranks: grpo.rollout auto says why it picks the engine and trains 2 steps on its rollouts;
+    grpo.rollout: local is refused in one line before any rank starts."""
+    from engine.grpo import main
+
+    init = save_tiny("qwen3_5_moe_text", tmp_path / "hf")
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p, "answer": "1"}) + "\n"
+                                                    for p in ("Q: 2 + 3 = ? A:", "Gus went to the harbor with")))
+    ds = write_ds(tmp_path / "ds.json", base=ROOT / "ds_configs" / "zero3_grpo.json", drop=("bf16",),
+                  train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=1)
+    for rollout in ("auto", "local"):
+        (tmp_path / f"{rollout}.yaml").write_text(GRPO_RECIPE.format(init=init, prompts=tmp_path / "prompts.jsonl",
+                                                                     rollout=rollout))
+    argv = ["--deepspeed_config", ds, "--config", tmp_path / "local.yaml", "--run_dir", tmp_path / "refused"]
+    p = run_in_process(main, argv, capfd, monkeypatch, RANK=0, LOCAL_RANK=0, WORLD_SIZE=2, LOCAL_SIZE=2)
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    assert lines[0].startswith("error: grpo.rollout: local (the persistent rollout decoder) cannot take a "
+                               "qwen3_5_moe_text model: its Gated DeltaNet"), lines[0]
+    p = run_ranks(2, ROOT / "bin" / "grpo.py", "--deepspeed_config", ds, "--config", tmp_path / "auto.yaml",
+                  "--run_dir", tmp_path / "run", cwd=tmp_path)
+    assert "grpo.rollout auto picks engine" in p.stdout
+    rows = [r for r in read_metrics(tmp_path / "run") if "generated_tokens" in r]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["generated_tokens"] > 0 for r in rows)
+    assert not any("decode_ms_per_step" in r for r in rows)  # the engine generated, not the local decoder

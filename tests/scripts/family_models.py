@@ -13,10 +13,12 @@ COMMON = dict(vocab_size=512, hidden_size=32, num_hidden_layers=2, num_attention
 FAMILIES = {
     "mixtral": dict(intermediate_size=48, num_local_experts=4),  # intermediate_size: the experts' width
     "deepseek_v2": dict(intermediate_size=64, moe_intermediate_size=48, n_routed_experts=4, n_shared_experts=1,
-                        first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                        first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+                        qk_nope_head_dim=8, v_head_dim=8,
                         num_key_value_heads=4),
     "qwen3_5_moe_text": dict(num_experts=4, moe_intermediate_size=48, shared_expert_intermediate_size=48, head_dim=8,
-                             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                             linear_value_head_dim=8,
                              layer_types=["linear_attention", "full_attention"]),
 }
 
