@@ -117,6 +117,31 @@ def test_resume_is_bitwise_and_continues_on_another_world_size(family):
             assert (run["logits"] - ref["logits"]).abs().max().item() < 1e-4
 
 
+def test_a_checkpoint_that_recorded_the_recipes_own_architecture_fields_resumes(family, tmp_path):
+    """A run started from model.init_from before its architecture was read from the directory recorded the recipe's
+    unused fields (e.g. tiny.yaml's arch deepseek_v3, hidden 64); --resume with the same recipe still passes its
+    checks (the model is the directory's, and the checkpoint's own weights are loaded)."""
+    from engine.checkpoint import MANIFEST, check_resume
+    from engine.auto_batch import AutoBatch
+    from engine.config import load_recipe
+    from engine.ds_config import read_ds_config, resolve_ds_config
+
+    run = tmp_path / "run"
+    shutil.copytree(family[2]["run"], run)
+    tag = run / "checkpoints" / "step_00000003"
+    state = json.loads((tag / "engine_state.json").read_text())
+    state["recipe"]["model"].update(arch="deepseek_v3", hidden_size=64, num_experts=8, num_shared_experts=1)
+    (tag / "engine_state.json").write_text(json.dumps(state))
+    manifest = json.loads((tag / MANIFEST).read_text())
+    manifest["files"]["engine_state.json"]["size"] = (tag / "engine_state.json").stat().st_size
+    (tag / MANIFEST).write_text(json.dumps(manifest))
+    recipe = load_recipe(family[2]["dir"] / "recipe.yaml", {"run_dir": str(run), "resume": True})
+    ds = resolve_ds_config(read_ds_config(family[2]["ds"]), recipe, world_size=2, ranks_per_node=2,
+                           auto_batch=AutoBatch())
+    problems, universal = check_resume(recipe, ds, 2)
+    assert problems == [] and not universal, problems
+
+
 def test_export_loads_with_the_familys_keys_and_gives_the_engines_logits(family, tmp_path, capfd, monkeypatch):
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
