@@ -76,9 +76,11 @@ CALIBRATED_MOE_WIDTH = 3.0
 def param_counts(m: ModelConfig) -> tuple[int, int]:
     """(all parameters, routed-expert parameters) of the recipe's model, as transformers builds it (checked against a
     meta-device build for every shipped recipe in tests/test_auto_batch.py). Routing-bias buffers are not counted."""
+    if m.arch not in ("deepseek_v3", "deepseek_v2", "qwen3_moe") or m.init_from:
+        return _built_counts(m)
     h, L, E = m.hidden_size, m.num_layers, m.num_experts
     experts_per_layer = E * 3 * h * m.moe_intermediate_size
-    if m.arch == "deepseek_v3":
+    if m.arch in ("deepseek_v3", "deepseek_v2"):  # the same MLA attention and expert layout
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         q = (h * m.num_heads * qk if m.q_lora_rank is None
              else h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * m.num_heads * qk)
@@ -95,6 +97,21 @@ def param_counts(m: ModelConfig) -> tuple[int, int]:
     total = (2 * m.vocab_size * h + h + L * (attn + 2 * h) + dense_layers * 3 * h * m.intermediate_size
              + moe_layers * (moe_rest + experts_per_layer))
     return total, moe_layers * experts_per_layer
+
+
+def _built_counts(m: ModelConfig) -> tuple[int, int]:
+    """param_counts of a model built on the meta device (no memory): Mixtral, Qwen3.5-MoE (Gated DeltaNet layers) and a
+    model.init_from directory's own config."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .model import make_hf_config
+
+    cfg = AutoConfig.from_pretrained(m.init_from) if m.init_from else make_hf_config(m)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    return (sum(p.numel() for p in model.parameters()),
+            sum(p.numel() for n, p in model.named_parameters() if ".experts." in n))
 
 
 def _bytes_per_param(cfg: dict) -> tuple[int, int, float]:
@@ -169,7 +186,7 @@ def head_gib(recipe: Recipe, micro: int) -> float:
 
 def per_sample_gib(cfg: dict, recipe: Recipe, device: str) -> float:
     m, seq = recipe.model, recipe.data.seq_len
-    shared = m.num_shared_experts if m.arch == "deepseek_v3" else 0
+    shared = m.num_shared_experts if m.arch in ("deepseek_v3", "deepseek_v2", "qwen3_5_moe") else 0
     width = (m.experts_per_token + shared) * m.moe_intermediate_size / m.hidden_size
     act = ACT[family(cfg, recipe, device)] * max(1.0, width / CALIBRATED_MOE_WIDTH)
     act += EP_EXTRA_PER_K * m.experts_per_token if _ep(cfg) > 1 else 0.0

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .config import CheckpointConfig, ConfigError, Recipe
+from .config import FROM_HF, CheckpointConfig, ConfigError, Recipe
 from .ds_config import ep_size
 
 STATE_FILE = "engine_state.json"
@@ -358,8 +358,12 @@ def check_resume(recipe: Recipe, ds: dict, world_size: int, rank: int = 0) -> tu
     problems = []
     ours = dataclasses.asdict(recipe.model)
     theirs = saved.get("recipe", {}).get("model", {})
+    # Started from model.init_from, the architecture is that directory's config.json (config.py: model_from_hf_dir);
+    # the fields a checkpoint recorded for it before they were read from there are the recipe's unused values.
+    derived = ({"arch", "moe_intermediate_size", "num_shared_experts", *FROM_HF}
+               if recipe.model.init_from and theirs.get("init_from") else set())
     diff = [f"model.{k}: {theirs.get(k)!r} in the checkpoint, {v!r} in the recipe"
-            for k, v in ours.items() if k != "init_from" and theirs.get(k) != v]
+            for k, v in ours.items() if k != "init_from" and k not in derived and theirs.get(k) != v]
     if diff:
         problems.append(f"--resume: checkpoint {where} holds a different model ({', '.join(diff)}); resume with the "
                         f"recipe it was trained with (its {STATE_FILE} holds it) or use another run_dir")

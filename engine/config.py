@@ -7,6 +7,7 @@ reported like a bad YAML value.
 from __future__ import annotations
 
 import dataclasses
+import json
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,12 +27,13 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     arch: str = "deepseek_v3"
-    """Hugging Face model_type: deepseek_v3 or qwen3_moe."""
+    """The model family: deepseek_v3, deepseek_v2, qwen3_moe, qwen3_5_moe (its text-only causal LM) or mixtral. With
+    init_from, the family and every size below come from that directory's config.json."""
     hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 4
     num_kv_heads: int = 4
-    """Key/value heads (qwen3_moe; deepseek_v3 uses MLA and ignores it)."""
+    """Key/value heads (qwen3_moe, mixtral, qwen3_5_moe; the DeepSeek families use MLA and ignore it)."""
     intermediate_size: int = 128
     """Width of dense MLP layers (deepseek_v3's first_dense_layers)."""
     moe_intermediate_size: int = 64
@@ -39,7 +41,7 @@ class ModelConfig:
     experts_per_token: int = 2
     num_shared_experts: int = 1
     first_dense_layers: int = 0
-    """deepseek_v3: how many leading layers use a dense MLP instead of MoE."""
+    """deepseek_v3, deepseek_v2: how many leading layers use a dense MLP instead of MoE."""
     vocab_size: int = 512
     max_position_embeddings: int = 2048
     kv_lora_rank: int = 32
@@ -49,7 +51,8 @@ class ModelConfig:
     v_head_dim: int = 16
     rope_theta: float = 10000.0
     init_from: str | None = None
-    """A Hugging Face model directory to load weights from (ZeRO-3-aware) instead of random init."""
+    """A Hugging Face model directory to load weights from (ZeRO-3-aware) instead of random init; its config.json
+    gives the family and sizes (the fields above are replaced by its values)."""
     attn_implementation: str = "sdpa"
     """transformers attention kernel: sdpa (PyTorch's fused attention), eager, or flex_attention."""
 
@@ -240,7 +243,19 @@ class Recipe:
         return dataclasses.asdict(self)
 
 
-ARCHS = ("deepseek_v3", "qwen3_moe")
+# model.arch -> the Hugging Face model_type it is built as (qwen3_5_moe: the text-only causal LM of Qwen3.5-MoE)
+HF_MODEL_TYPES = {"deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v2", "qwen3_moe": "qwen3_moe",
+                  "qwen3_5_moe": "qwen3_5_moe_text", "mixtral": "mixtral"}
+ARCHS = tuple(HF_MODEL_TYPES)
+# ModelConfig field -> the Hugging Face config attributes that hold it, first present wins (model.init_from)
+FROM_HF = {"hidden_size": ("hidden_size",), "num_layers": ("num_hidden_layers",), "num_heads": ("num_attention_heads",),
+           "num_kv_heads": ("num_key_value_heads", "num_attention_heads"), "vocab_size": ("vocab_size",),
+           "max_position_embeddings": ("max_position_embeddings",),
+           "num_experts": ("n_routed_experts", "num_local_experts", "num_experts"),
+           "experts_per_token": ("num_experts_per_tok",), "first_dense_layers": ("first_k_dense_replace",),
+           "intermediate_size": ("intermediate_size",), "kv_lora_rank": ("kv_lora_rank",),
+           "q_lora_rank": ("q_lora_rank",), "qk_rope_head_dim": ("qk_rope_head_dim",),
+           "qk_nope_head_dim": ("qk_nope_head_dim",), "v_head_dim": ("v_head_dim",)}
 ATTN = ("sdpa", "eager", "flex_attention")
 
 
@@ -333,6 +348,8 @@ def load_recipe(path: str | Path | None = None, overrides: dict | None = None) -
             target[key] = value
     problems: list[str] = []
     recipe = _fill(Recipe, raw, "", problems)
+    if recipe.model.init_from is not None:
+        problems += model_from_hf_dir(recipe.model)
     problems += validate(recipe)
     if problems:
         e = ConfigError(f"recipe {path}: " + "; ".join(problems))
@@ -341,6 +358,48 @@ def load_recipe(path: str | Path | None = None, overrides: dict | None = None) -
         e.sections = {q.split(".")[0].split(":")[0] for q in problems}
         raise e
     return recipe
+
+
+def model_from_hf_dir(m: ModelConfig) -> list[str]:
+    """model.init_from: set the family and sizes from the directory's config.json (a user's checkpoint needs no
+    architecture fields in the recipe); returns what is wrong with it, each in one line."""
+    where = f"model.init_from {m.init_from}"
+    if not Path(m.init_from, "config.json").is_file():
+        return [f"{where}: not a Hugging Face model directory (no config.json)"]
+    try:
+        model_type = json.loads(Path(m.init_from, "config.json").read_text()).get("model_type")
+    except (ValueError, AttributeError) as e:
+        return [f"{where}: config.json is not a JSON object ({e})"]
+    families = {v: k for k, v in HF_MODEL_TYPES.items()}
+    if model_type == "qwen3_5_moe":
+        return [f"{where}: model_type qwen3_5_moe is the Qwen3.5-MoE vision-language model; the engine trains its "
+                "text-only causal LM (model_type qwen3_5_moe_text): save the language model on its own "
+                "(Qwen3_5MoeForCausalLM with the config's text_config) and point init_from there"]
+    if model_type not in families:
+        return [f"{where}: model_type {model_type!r} is not a supported family (supported model_type values: "
+                f"{', '.join(families)})"]
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.from_pretrained(m.init_from)
+    except Exception as e:  # noqa: BLE001  (transformers raises many kinds for a bad config)
+        return [f"{where}: transformers cannot read its config.json ({type(e).__name__}: {str(e).splitlines()[0]})"]
+    m.arch = families[model_type]
+    for name, attrs in FROM_HF.items():
+        value = next((getattr(cfg, a) for a in attrs if getattr(cfg, a, None) is not None), None)
+        if value is not None or name == "q_lora_rank" and hasattr(cfg, "q_lora_rank"):
+            setattr(m, name, value)
+    if m.arch == "mixtral":
+        m.moe_intermediate_size, m.num_shared_experts = cfg.intermediate_size, 0
+    else:
+        m.moe_intermediate_size = cfg.moe_intermediate_size
+        m.num_shared_experts = (getattr(cfg, "n_shared_experts", None) or 0 if m.arch.startswith("deepseek")
+                                else int(bool(getattr(cfg, "shared_expert_intermediate_size", 0))))
+    if m.arch.startswith("deepseek") and m.num_kv_heads != m.num_heads:
+        return [f"{where}: config.json has num_key_value_heads {m.num_kv_heads} but num_attention_heads {m.num_heads}; "
+                f"{m.arch}'s attention (MLA) has one key/value head per query head, and transformers' model fails in "
+                f"its first forward otherwise: set num_key_value_heads to {m.num_heads} (the weights do not change)"]
+    return []
 
 
 def validate(r: Recipe) -> list[str]:
@@ -357,14 +416,12 @@ def validate(r: Recipe) -> list[str]:
             p.append(f"model.{name}: must be >= 1, got {getattr(m, name)}")
     if m.experts_per_token > m.num_experts:
         p.append(f"model.experts_per_token ({m.experts_per_token}) must be <= model.num_experts ({m.num_experts})")
-    if m.hidden_size % max(m.num_heads, 1):
+    if m.hidden_size % max(m.num_heads, 1) and not m.init_from:
         p.append(f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_heads ({m.num_heads})")
     if m.num_heads % max(m.num_kv_heads, 1):
         p.append(f"model.num_heads ({m.num_heads}) must be divisible by model.num_kv_heads ({m.num_kv_heads})")
     if not 0 <= m.first_dense_layers < m.num_layers:
         p.append(f"model.first_dense_layers ({m.first_dense_layers}) must be in [0, num_layers)")
-    if m.init_from is not None and not Path(m.init_from, "config.json").is_file():
-        p.append(f"model.init_from: {m.init_from} is not a Hugging Face model directory (no config.json)")
     if d.seq_len < 2 or d.seq_len > m.max_position_embeddings:
         p.append(f"data.seq_len ({d.seq_len}) must be in [2, model.max_position_embeddings={m.max_position_embeddings}]")
     if t.max_steps < 1:

@@ -26,6 +26,7 @@ from .config import ConfigError, Recipe
 # this expert_parallel.moe_layer_pattern; a pipeline section without "partition" balances decoder layers.
 MOE_LAYER_PATTERN = r"\d+\.layer\.mlp"
 PARTITION = "type:DecoderLayerPipe"
+PIPELINE_ARCHS = ("deepseek_v3", "qwen3_moe")  # engine/pipeline.py's stages, tested against ZeRO-3 for these
 
 
 def read_ds_config(path: str | Path) -> dict:
@@ -238,6 +239,9 @@ def check_pipeline(cfg: dict, recipe: Recipe, zero_stage) -> tuple[int, list[str
     if recipe.model.init_from:
         p.append(f"model.init_from ({recipe.model.init_from}) is not supported in pipeline mode yet; start from "
                  "random init, or train with ds_configs/zero3.json")
+    elif recipe.model.arch not in PIPELINE_ARCHS:
+        p.append(f"model.arch {recipe.model.arch}: pipeline mode builds its stages for {' and '.join(PIPELINE_ARCHS)} "
+                 "only; train it with ds_configs/zero3.json or zero2.json")
     return stages, p
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint, curriculum
-from .config import ConfigError, GRPOConfig, Recipe, load_recipe
+from .config import ConfigError, GRPOConfig, Recipe, load_recipe, model_from_hf_dir
 from .data import load_tokenizer
 from .ds_config import read_ds_config, resolve_ds_config, zero_stage
 from .grpo_math import GRPOLossConfig, group_advantages, keep_mask, policy_loss
@@ -156,6 +156,25 @@ def decoder_fit_problem(hf_config, dtype: torch.dtype, batch: int, cache_len: in
             "for models that do not fit one device) or use fewer sequences per rank")
 
 
+DECODER_MODEL_TYPES = ("deepseek_v3", "qwen3_moe", "mixtral")  # the families the local rollout decoder takes
+
+
+def decoder_family_problem(hf_config) -> str | None:
+    """Why the local rollout decoder cannot take this model family, or None when it can."""
+    kind = hf_config.model_type
+    if kind in DECODER_MODEL_TYPES:
+        return None
+    if "linear_attention" in (getattr(hf_config, "layer_types", None) or []):
+        why = ("its Gated DeltaNet (linear attention) layers keep a recurrent state that the decoder's static KV cache "
+               "does not hold")
+    elif kind == "deepseek_v2":
+        why = "the decoder's absorbed MLA attention applies DeepSeek-V3's rotary embedding, not DeepSeek-V2's"
+    else:
+        why = f"the decoder is built and tested for {', '.join(DECODER_MODEL_TYPES)} only"
+    return (f"grpo.rollout: local (the persistent rollout decoder) cannot take a {kind} model: {why}; set "
+            "grpo.rollout: engine (generation through the DeepSpeed engine)")
+
+
 def loss_config(g: GRPOConfig) -> GRPOLossConfig:
     """The loss fields of the recipe's grpo section, as the math module takes them."""
     return GRPOLossConfig(clip_low=g.clip_low, clip_high=g.clip_high, beta=g.beta, kl=g.kl, aggregation=g.aggregation,
@@ -213,6 +232,9 @@ def preflight(args, world: World):
         problems.append("no --init_from (nor model.init_from): GRPO would train a randomly initialised policy, which "
                         "earns no reward; pass --init_from a pretraining run dir, a checkpoint or a Hugging Face "
                         "model dir (or set grpo.allow_random_init: true, e.g. for benchmarks)")
+    found = model_from_hf_dir(replace(recipe.model, init_from=init)) if init is not None else []
+    if found:  # a Hugging Face dir of a family the engine does not train
+        raise ConfigError("; ".join(problems + [f.replace("model.init_from", "--init_from", 1) for f in found]))
     hf_config = model_config(init_from, init, recipe, tok)
     limit = hf_config.max_position_embeddings
     for name, rows in (("data.path", prompts), ("grpo.eval_path", evals)):
@@ -222,6 +244,13 @@ def preflight(args, world: World):
                 problems.append(f"{name} row {i + 1}: prompt of {n} tokens + grpo.max_new_tokens {g.max_new_tokens} "
                                 f"exceeds the context ({limit}); shorten it or lower max_new_tokens")
                 break
+    problem = decoder_family_problem(hf_config)
+    if problem and (g.rollout == "local" or g.tree.enabled):
+        problems.append(problem if g.rollout == "local" else f"{problem} (grpo.tree needs the local decoder)")
+    elif problem and g.rollout == "auto":
+        print0(f"note: {problem.split(';')[0]}: grpo.rollout auto picks engine")
+        recipe = replace(recipe, grpo=replace(g, rollout="engine"))
+        g = recipe.grpo
     if not problems and g.rollout != "engine" and device_kind() == "cuda":
         cache_len = decoder_cache_len(prompts + evals, cache_tokens(g))
         problem = decoder_fit_problem(hf_config, model_dtype(ds), per_rank, cache_len,

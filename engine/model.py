@@ -25,21 +25,39 @@ def make_hf_config(m: ModelConfig, tokenizer=None):
                        eos_token_id=tokenizer.eos_token_id)
     common = dict(vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
                   num_attention_heads=m.num_heads, max_position_embeddings=m.max_position_embeddings,
-                  moe_intermediate_size=m.moe_intermediate_size, intermediate_size=m.intermediate_size,
                   num_experts_per_tok=m.experts_per_token, tie_word_embeddings=False,
                   rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta}, **special)
-    if m.arch == "deepseek_v3":
-        return AutoConfig.for_model(
-            "deepseek_v3", n_routed_experts=m.num_experts, n_shared_experts=m.num_shared_experts,
-            num_key_value_heads=m.num_heads, first_k_dense_replace=m.first_dense_layers,
-            kv_lora_rank=m.kv_lora_rank, q_lora_rank=m.q_lora_rank, qk_rope_head_dim=m.qk_rope_head_dim,
-            qk_nope_head_dim=m.qk_nope_head_dim, v_head_dim=m.v_head_dim, head_dim=m.qk_rope_head_dim,
-            n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True, **common)
+    widths = dict(moe_intermediate_size=m.moe_intermediate_size, intermediate_size=m.intermediate_size)
+    head_dim = m.hidden_size // m.num_heads
+    if m.arch in ("deepseek_v3", "deepseek_v2"):
+        mla = dict(n_routed_experts=m.num_experts, n_shared_experts=m.num_shared_experts,
+                   num_key_value_heads=m.num_heads, first_k_dense_replace=m.first_dense_layers,
+                   kv_lora_rank=m.kv_lora_rank, q_lora_rank=m.q_lora_rank, qk_rope_head_dim=m.qk_rope_head_dim,
+                   qk_nope_head_dim=m.qk_nope_head_dim, v_head_dim=m.v_head_dim, routed_scaling_factor=1.0)
+        if m.arch == "deepseek_v2":  # softmax top-k, weights not renormalized (DeepSeek-V2's own routing)
+            return AutoConfig.for_model("deepseek_v2", topk_method="greedy", **mla, **widths, **common)
+        return AutoConfig.for_model("deepseek_v3", head_dim=m.qk_rope_head_dim, n_group=1, topk_group=1,
+                                    norm_topk_prob=True, **mla, **widths, **common)
     if m.arch == "qwen3_moe":
         return AutoConfig.for_model(
             "qwen3_moe", num_experts=m.num_experts, num_key_value_heads=m.num_kv_heads,
-            head_dim=m.hidden_size // m.num_heads, decoder_sparse_step=1, mlp_only_layers=[],
-            norm_topk_prob=True, output_router_logits=False, **common)
+            head_dim=head_dim, decoder_sparse_step=1, mlp_only_layers=[],
+            norm_topk_prob=True, output_router_logits=False, **widths, **common)
+    if m.arch == "mixtral":  # every layer MoE, no shared expert: intermediate_size is the experts' width
+        return AutoConfig.for_model("mixtral", num_local_experts=m.num_experts, num_key_value_heads=m.num_kv_heads,
+                                    head_dim=head_dim, intermediate_size=m.moe_intermediate_size,
+                                    output_router_logits=False, **common)
+    if m.arch == "qwen3_5_moe":
+        # Gated DeltaNet (linear attention) in three of every four layers, gated full attention in the fourth
+        # (transformers' default pattern); the linear layers' heads as the full ones': num_heads value heads,
+        # num_kv_heads key heads, head_dim each. One shared expert of num_shared_experts x moe_intermediate_size.
+        types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(m.num_layers)]
+        return AutoConfig.for_model(
+            "qwen3_5_moe_text", num_experts=m.num_experts, num_key_value_heads=m.num_kv_heads, head_dim=head_dim,
+            moe_intermediate_size=m.moe_intermediate_size,
+            shared_expert_intermediate_size=m.moe_intermediate_size * m.num_shared_experts,
+            linear_num_value_heads=m.num_heads, linear_num_key_heads=m.num_kv_heads, linear_key_head_dim=head_dim,
+            linear_value_head_dim=head_dim, layer_types=types, output_router_logits=False, **common)
     raise ValueError(f"unknown arch {m.arch}")
 
 

@@ -315,8 +315,9 @@ def root() -> Path:
 # docs/testing.md), so the last unit to start is a short one.
 GROUPS = {"test_export.py": "deepseek_2ranks", "test_pipeline.py": "deepseek_2ranks",
           "test_grpo.py": "grpo_pretrained", "test_tree.py": "grpo_pretrained"}
-LONGEST_FIRST = ["test_multinode.py", "deepseek_2ranks", "grpo_pretrained", "test_pretrain.py", "test_two_ranks.py",
-                 "test_resume.py", "test_balance.py", "test_bench.py", "test_data_checks.py", "test_readme.py"]
+LONGEST_FIRST = ["test_multinode.py", "deepseek_2ranks", "grpo_pretrained", "test_pretrain.py", "test_families.py",
+                 "test_two_ranks.py", "test_resume.py", "test_balance.py", "test_bench.py", "test_data_checks.py",
+                 "test_readme.py"]
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks

@@ -9,7 +9,7 @@ from conftest import ROOT, ZERO3, env, read_metrics, run_in_process, write_ds
 
 from engine.config import RECIPES, ConfigError, load_recipe
 from engine.auto_batch import AutoBatch
-from engine.ds_config import auto_autoep_size, read_ds_config, resolve_ds_config
+from engine.ds_config import PIPELINE_ARCHS, auto_autoep_size, read_ds_config, resolve_ds_config
 
 PRETRAIN = ROOT / "bin" / "pretrain.py"
 
@@ -45,6 +45,11 @@ def test_every_shipped_config_resolves(recipe, ds, world):
             resolve_ds_config(read_ds_config(ds), r, world_size=world, ranks_per_node=min(world, 8),
                               auto_batch=AutoBatch())
         return  # a pipeline needs a rank per stage
+    if stages > 1 and r.model.arch not in PIPELINE_ARCHS:
+        with pytest.raises(ConfigError, match=rf"model.arch {r.model.arch}: pipeline mode builds its stages for "):
+            resolve_ds_config(read_ds_config(ds), r, world_size=world, ranks_per_node=min(world, 8),
+                              auto_batch=AutoBatch())
+        return  # refused in one line (tests/test_families.py)
     cfg = resolve_ds_config(read_ds_config(ds), r, world_size=world, ranks_per_node=min(world, 8),
                             auto_batch=AutoBatch())  # the CPU: "auto" batch sizes are 8 x 1
     ep, dp = cfg["expert_parallel"]["autoep_size"], world // stages  # experts stay inside a pipeline stage

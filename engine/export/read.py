@@ -17,11 +17,25 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 # AutoEP renames a Hugging Face MoE block's children (deepspeed/module_inject/auto_ep_layer.py): the router
 # (preset `router_pattern`) becomes `router.gate`, shared experts (preset `shared_experts_pattern` /
 # `shared_experts_gate_pattern`) become `shared_experts` / `shared_experts_gate`. The presets' names, from
-# deepspeed/module_inject/auto_ep_presets/{deepseek_v3,qwen3_moe}.py:
+# deepspeed/module_inject/auto_ep_presets/*.py, by Hugging Face model_type:
 AUTOEP_NAMES = {
     "deepseek_v3": {"router": "gate", "shared_experts": "shared_experts", "shared_experts_gate": None},
+    "deepseek_v2": {"router": "gate", "shared_experts": "shared_experts", "shared_experts_gate": None},
     "qwen3_moe": {"router": "gate", "shared_experts": "shared_expert", "shared_experts_gate": "shared_expert_gate"},
+    "qwen3_5_moe_text": {"router": "gate", "shared_experts": "shared_expert",
+                         "shared_experts_gate": "shared_expert_gate"},
+    "mixtral": {"router": "gate", "shared_experts": None, "shared_experts_gate": None},
 }
+
+
+def autoep_names(cfg, tag_dir: Path) -> dict:
+    """AUTOEP_NAMES of the recorded model's type; a type without an entry is refused (guessed names would write a
+    model whose shared experts are missing)."""
+    names = AUTOEP_NAMES.get(cfg.model_type)
+    if names is None:
+        raise ExportError(f"{tag_dir}: the recorded model's type {cfg.model_type!r} has no known AutoEP names "
+                          f"(known: {', '.join(AUTOEP_NAMES)}); it cannot be exported")
+    return names
 
 
 class ExportError(Exception):

@@ -25,7 +25,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from .plan import Checkpoint, Frag, Source, Target, expert_target, finish, numel, same_shape
-from .read import AUTOEP_NAMES, ExportError, Opaque, autoep_namer, hf_keys, load, read_state, recorded_hf_config
+from .read import ExportError, Opaque, autoep_names, autoep_namer, hf_keys, load, read_state, recorded_hf_config
 
 OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 LAYER_FILE = re.compile(r"^layer_(\d+)-model_states\.pt$")
@@ -50,7 +50,7 @@ def plan_stages(tag_dir: Path, dtype: str, layout: str, stages: int, rename) -> 
 
     cfg = recorded_hf_config(tag_dir, state)
     expected = hf_keys(cfg, dtype)
-    names = AUTOEP_NAMES.get(cfg.model_type, AUTOEP_NAMES["deepseek_v3"])
+    names = autoep_names(cfg, tag_dir)
     moe_paths = [e["module_path"] for m in models for e in m["autoep"]]
     to_hf = autoep_namer(moe_paths, names, expected[0])
     hf_name = lambda name: rename(to_hf(name), cfg)  # noqa: E731

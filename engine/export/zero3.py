@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .plan import Checkpoint, Frag, Source, Target, expert_target, finish, numel, same_shape
-from .read import AUTOEP_NAMES, ExportError, Opaque, autoep_namer, hf_keys, load, read_state, recorded_hf_config
+from .read import ExportError, Opaque, autoep_names, autoep_namer, hf_keys, load, read_state, recorded_hf_config
 
 MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 FLATS = ("optimizer_state_dict", "fp32_flat_groups")
@@ -47,7 +47,7 @@ def plan(tag_dir: Path, dtype: str = "fp32") -> Checkpoint:
     optims = {r.rank: _optim_meta(r.optim_file, r.rank) for r in ranks}  # before any slow import: fail fast
 
     cfg = recorded_hf_config(tag_dir, state)
-    names = AUTOEP_NAMES.get(cfg.model_type, AUTOEP_NAMES["deepseek_v3"])
+    names = autoep_names(cfg, tag_dir)
     expected = hf_keys(cfg, dtype)
     keys, transposed = expected[0], expected[1]
     moe_paths, expert_info = _expert_placement(models.autoep)

@@ -1,6 +1,6 @@
 """bin/pretrain.py, then the trained engine's logits for fixed token ids; started by the real launcher:
     deepspeed --num_gpus N tests/scripts/pretrain_logits.py --ids IDS.pt --logits OUT.pt [--weights W.pt] \\
-        [bin/pretrain.py args]
+        [--logits_before B.pt] [bin/pretrain.py args]
 It trains exactly as bin/pretrain.py does (engine.pretrain.preflight/build/train: same steps, same checkpoints,
 the last one after the last step), then feeds IDS to the same engine in eval mode: a ZeRO forward (every rank), or
 the pipeline's eval_batch (the last stage holds the logits). Rank 0 / the last stage saves the logits to OUT; each
@@ -31,14 +31,22 @@ def main() -> None:
     ap.add_argument("--ids", required=True)
     ap.add_argument("--logits", required=True)
     ap.add_argument("--weights", help="save the engine's gathered parameters and buffers here (ZeRO runs)")
+    ap.add_argument("--logits_before", help="also save the engine's logits before the first step here (ZeRO runs)")
     own, rest = ap.parse_known_args()
     args = pretrain.parse_args(rest)
     world = world_from_env()
     recipe, ds, tok = pretrain.preflight(args, world)
     init_distributed()
     engine, data = pretrain.build(recipe, ds, tok, world)
-    pretrain.train(recipe, engine, data, tok, world)
     ids = torch.load(own.ids)
+    if own.logits_before:
+        engine.eval()
+        with torch.no_grad():
+            logits = engine(input_ids=ids.to(engine.device)).logits
+        if world.rank == 0:
+            torch.save(logits.float().cpu(), own.logits_before)
+        engine.train()
+    pretrain.train(recipe, engine, data, tok, world)
     engine.eval()
     with torch.no_grad():
         if pipeline.is_pipeline(ds):
