@@ -36,8 +36,26 @@ def pytest_configure(config):
     if "PYTEST_XDIST_WORKER" not in os.environ and "MOE_ENGINE_CACHE" not in os.environ:
         os.environ["MOE_ENGINE_CACHE"] = config._moe_cache = tempfile.mkdtemp(prefix="moe-engine-cache-")
     if "PYTEST_XDIST_WORKER" not in os.environ:
+        drop_stale_build_lock(TEST_OPS / "cpu_adam" / "lock")
         config._op_build = start_cpu_adam_build()
         compile_imports()
+
+
+STALE_LOCK_S = 900  # a build takes 1-2 minutes on 2 cores; a lock this old outlived the run that took it
+
+
+def drop_stale_build_lock(lock: Path, now: float | None = None) -> bool:
+    """Remove torch's JIT-build lock left by a run killed mid-build (every later build would wait on it forever);
+    a lock younger than STALE_LOCK_S may belong to a build in progress and is kept. Returns whether it removed one."""
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_LOCK_S:
+        return False
+    lock.unlink(missing_ok=True)
+    print(f"removed a stale op build lock ({age / 60:.0f} min old): {lock}", file=sys.stderr)
+    return True
 
 
 RANK_IMPORTS = ("import torch, deepspeed, datasets, torch._inductor.compile_fx\n"
