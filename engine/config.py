@@ -450,15 +450,14 @@ def validate(r: Recipe) -> list[str]:
         p.append(f"grpo.group_size ({g.group_size}) must be >= 2: advantages compare completions within a group")
     if g.max_new_tokens < 1 or g.iterations < 1 or g.eval_every < 1:
         p.append("grpo.max_new_tokens, grpo.iterations and grpo.eval_every must be >= 1")
+    no_chains = "grpo.tree" if g.tree.enabled else "grpo.rollout: engine" if g.rollout == "engine" else None
     if not 0 <= g.min_new_tokens <= g.max_new_tokens:
         p.append(f"grpo.min_new_tokens ({g.min_new_tokens}) must be in [0, grpo.max_new_tokens ({g.max_new_tokens})]")
-    elif g.min_new_tokens and (g.tree.enabled or g.rollout == "engine"):
-        p.append("grpo.min_new_tokens works with the local decoder's chain rollouts only; set it to 0 with "
-                 + ("grpo.tree" if g.tree.enabled else "grpo.rollout: engine"))
-    if g.rollout_correction != "none" and (g.tree.enabled or g.rollout == "engine"):
+    elif g.min_new_tokens and no_chains:
+        p.append(f"grpo.min_new_tokens works with the local decoder's chain rollouts only; set it to 0 with {no_chains}")
+    if g.rollout_correction != "none" and no_chains:
         p.append(f"grpo.rollout_correction {g.rollout_correction} needs the rollout decoder's log-probs, which "
-                 "only the local decoder's chain rollouts record; set it to none with "
-                 + ("grpo.tree" if g.tree.enabled else "grpo.rollout: engine"))
+                 f"only the local decoder's chain rollouts record; set it to none with {no_chains}")
     if g.temperature <= 0:
         p.append(f"grpo.temperature ({g.temperature}) must be > 0: rollouts sample from softmax(logits / temperature) "
                  + ("(a negative one favours the least likely tokens)" if g.temperature < 0 else

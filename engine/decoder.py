@@ -395,6 +395,7 @@ class Decoder:
         out = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=self.device)
         # log p(token) under softmax(logits / T), the distribution the trainer scores (sampled rollouts only)
         logps = torch.zeros((N, max_new_tokens), dtype=torch.float32, device=self.device) if temperature > 0 else None
+        from .grpo_math import token_logprobs
         ended = torch.zeros(N, dtype=torch.bool, device=self.device)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -405,7 +406,7 @@ class Decoder:
                 logits = logits.index_fill(-1, torch.tensor([eos_id], device=logits.device), float("-inf"))
             tok = sample(logits, temperature, top_p)  # (N,)
             if logps is not None:  # before EOS masking: the trainer's distribution has no min_new_tokens mask
-                logps[:, t] = token_logp(raw, tok, temperature)
+                logps[:, t] = token_logprobs(raw / temperature, tok)  # the whole distribution, not top-p's
             tok = torch.where(ended, pad_id, tok)
             out[:, t] = tok
             ended |= tok == eos_id
@@ -563,13 +564,6 @@ class Decoder:
         logits = self.step_fn(tok[:, None], pos[:, None], self.mask)  # (N, V)
         self.slot += 1
         return logits
-
-
-def token_logp(logits: torch.Tensor, tok: torch.Tensor, temperature: float) -> torch.Tensor:
-    """(N, V) float logits, (N,) tokens -> (N,) log p(tok) under softmax(logits / temperature), fp32 (not the top-p
-    nucleus: the trainer scores the whole distribution)."""
-    z = logits.float() / temperature
-    return z.gather(-1, tok[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:

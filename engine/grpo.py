@@ -23,7 +23,7 @@ from . import checkpoint, curriculum
 from .config import ConfigError, GRPOConfig, Recipe, load_recipe, model_from_hf_dir
 from .data import load_tokenizer
 from .ds_config import read_ds_config, resolve_ds_config, zero_stage
-from .grpo_math import GRPOLossConfig, group_advantages, keep_mask, policy_loss
+from .grpo_math import GRPOLossConfig, group_advantages, keep_mask, kl_k3, policy_loss
 from .metrics import Metrics, print0
 from .model import build_model, make_hf_config
 from .pretrain import forget_zero3_for_transformers, peak_memory_gib, report_error
@@ -485,8 +485,8 @@ def rollout_mismatch(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Ten
     d = (train - rollout)[m]
     if d.numel() == 0:
         return torch.zeros(4, device=train.device)
-    return torch.stack([d.abs().sum(), d.abs().max(), (torch.expm1(d) - d).sum(), torch.tensor(float(d.numel()),
-                                                                                             device=d.device)])
+    k3 = kl_k3(rollout[m], train[m])  # e^(train - rollout) - (train - rollout) - 1
+    return torch.stack([d.abs().sum(), d.abs().max(), k3.sum(), torch.tensor(float(d.numel()), device=d.device)])
 
 
 def mismatch_metrics(parts: torch.Tensor) -> dict[str, float]:

@@ -443,3 +443,19 @@ def pretrained(tmp_path_factory):
     from test_grpo import build_pretrained
 
     return build_pretrained(tmp_path_factory)
+
+
+def check_decoder_follows_generate(model, dec, ids, mask, rounds: int = 2) -> None:
+    """The rollout decoder's greedy tokens equal transformers' generate on `model`, before and after the model's
+    weights move and the decoder is refreshed from them (`rounds` times)."""
+    import torch
+
+    for _ in range(rounds):
+        with torch.no_grad():
+            ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+        got = dec.generate(ids, mask, 10, eos_id=-1, pad_id=0, temperature=0)
+        assert torch.equal(got, ref[:, : got.shape[1]]) and got.shape[1] == ref.shape[1]
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        dec.refresh(model)

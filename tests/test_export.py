@@ -541,8 +541,9 @@ def test_missing_rank_file(deepseek2, existing_output, tmp_path):
     untouched(existing_output)
 
 
-def test_shapes_that_do_not_match_the_recorded_config(deepseek2, existing_output, tmp_path):
-    tag = copy_checkpoint(deepseek2["run"], tmp_path / "copy")
+@pytest.mark.parametrize("run", ["deepseek2", "zero2"])  # the ZeRO-3 and the ZeRO-1/2 reader
+def test_shapes_that_do_not_match_the_recorded_config(run, existing_output, tmp_path, request):
+    tag = copy_checkpoint(request.getfixturevalue(run)["run"], tmp_path / "copy")
     state = json.loads((tag / "engine_state.json").read_text())
     state["recipe"]["model"]["moe_intermediate_size"] = 40
     (tag / "engine_state.json").write_text(json.dumps(state))
@@ -559,14 +560,4 @@ def test_zero12_missing_optimizer_file(zero2, existing_output, tmp_path):
     reseal(tag)
     refused(zero_to_fp32(tmp_path / "copy", existing_output, "--force"), "2 data-parallel ranks",
             "optimizer files of ranks [1] are missing")
-    untouched(existing_output)
-
-
-def test_zero12_shapes_that_do_not_match_the_recorded_config(zero2, existing_output, tmp_path):
-    tag = copy_checkpoint(zero2["run"], tmp_path / "copy")
-    state = json.loads((tag / "engine_state.json").read_text())
-    state["recipe"]["model"]["moe_intermediate_size"] = 40
-    (tag / "engine_state.json").write_text(json.dumps(state))
-    reseal(tag)
-    refused(zero_to_fp32(tag, existing_output, "--force"), "does not match", "gate_up_proj")
     untouched(existing_output)

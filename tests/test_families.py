@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, fixed_ids, fp32_zero3, pretrain_job, read_metrics, run_in_process, run_ranks, write_ds
+from conftest import ROOT, check_decoder_follows_generate, fixed_ids, fp32_zero3, pretrain_job, read_metrics, run_in_process, run_ranks, write_ds
 
 sys.path.insert(0, str(ROOT / "tests" / "scripts"))
 from family_models import save_tiny  # noqa: E402
@@ -285,15 +285,7 @@ def test_the_rollout_decoder_samples_a_mixtral_as_generate(monkeypatch):
     mask = torch.ones_like(ids)
     mask[0, :4] = 0
     dec = Decoder(model, "cpu", batch_size=4, cache_len=32, decode_experts="dense")  # the GPUs' default
-    for _ in range(2):
-        with torch.no_grad():
-            ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
-        got = dec.generate(ids, mask, 10, eos_id=-1, pad_id=0, temperature=0)
-        assert torch.equal(got, ref[:, : got.shape[1]]) and got.shape[1] == ref.shape[1]
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.05)
-        dec.refresh(model)
+    check_decoder_follows_generate(model, dec, ids, mask)
 
 
 def test_grpo_refuses_a_model_of_another_family_in_one_line(tmp_path, capfd, monkeypatch):

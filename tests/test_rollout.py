@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import ROOT  # noqa: F401  (puts the project on sys.path)
+from conftest import ROOT, check_decoder_follows_generate  # noqa: F401  (ROOT puts the project on sys.path)
 
 
 @pytest.fixture(autouse=True)
@@ -148,12 +148,4 @@ def test_the_fused_decoder_layout_samples_as_generate_before_and_after_a_refresh
         w = m._qkv_a if hasattr(m, "_qkv_a") else m._gate_up
         first = m.q_a_proj.weight if hasattr(m, "_qkv_a") else m.gate_proj.weight
         assert first.data_ptr() == w.data_ptr()
-    for _ in range(2):
-        with torch.no_grad():
-            ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
-        got = dec.generate(ids, mask, 10, eos_id=-1, pad_id=0, temperature=0)
-        assert torch.equal(got, ref[:, : got.shape[1]]) and got.shape[1] == ref.shape[1]
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.05)
-        dec.refresh(model)
+    check_decoder_follows_generate(model, dec, ids, mask)
