@@ -202,6 +202,9 @@ class GRPOConfig:
     log-probs (engine/grpo_math.py: GRPOLossConfig). Local chain rollouts only."""
     rollout_correction_cap: float = 2.0
     """tis: weights are truncated to it; mis: tokens whose weight exceeds it are masked."""
+    routing_replay: str = "off"
+    """off | r3: the policy's training forwards dispatch every token (prompt and response) to the experts the rollout
+    decoder chose for it, with gate weights from the live router (engine/routing.py). Local decoder only."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (DAPO): they carry no signal."""
     tree: TreeConfig = field(default_factory=TreeConfig)
@@ -458,6 +461,11 @@ def validate(r: Recipe) -> list[str]:
     if g.rollout_correction != "none" and no_chains:
         p.append(f"grpo.rollout_correction {g.rollout_correction} needs the rollout decoder's log-probs, which "
                  f"only the local decoder's chain rollouts record; set it to none with {no_chains}")
+    if g.routing_replay not in ("off", "r3"):
+        p.append(f"grpo.routing_replay: {g.routing_replay!r} is not one of off, r3")
+    elif g.routing_replay == "r3" and g.rollout == "engine":
+        p.append("grpo.routing_replay r3 replays the expert choices the rollout decoder records, and "
+                 "grpo.rollout: engine has no decoder; set grpo.rollout: local (or auto), or routing_replay: off")
     if g.temperature <= 0:
         p.append(f"grpo.temperature ({g.temperature}) must be > 0: rollouts sample from softmax(logits / temperature) "
                  + ("(a negative one favours the least likely tokens)" if g.temperature < 0 else

@@ -320,7 +320,7 @@ class Decoder:
     builds = 0  # decoders built in this process: a test checks that GRPO builds one per run, not one per step
 
     def __init__(self, module: torch.nn.Module, device, batch_size: int, cache_len: int,
-                 decode_experts: str = "auto", compile: bool | None = None):
+                 decode_experts: str = "auto", compile: bool | None = None, record_routes: bool = False):
         from transformers import StaticCache
 
         decode_experts = resolve_decode_experts(decode_experts, device)
@@ -339,7 +339,19 @@ class Decoder:
         self.batch_size, self.cache_len = batch_size, cache_len
         self.cache = StaticCache(config=config, max_cache_len=cache_len)
         self.mask = torch.ones(batch_size, cache_len, dtype=torch.long, device=device)  # (N, L): 0 on prompt padding
-        for t in ([self.mask] + fused) if self.device.type == "cuda" else []:
+        # record_routes: every MoE layer's top-k expert ids per row and cache slot (engine/routing.py), written by the
+        # experts modules into `route_step` (static: inside the captured graph) and copied out after each forward.
+        self.routes = self.route_step = None
+        experts = [layer.mlp.experts for layer in model.model.layers if hasattr(getattr(layer, "mlp", None), "experts")]
+        if record_routes:
+            k = config.num_experts_per_tok
+            self.routes = torch.zeros(batch_size, cache_len, len(experts), k, dtype=torch.int16, device=device)
+            self.route_step = torch.zeros(len(experts), batch_size, k, dtype=torch.long, device=device)
+            self._route_out = self.route_step  # where the experts write: the step buffer, or prefill's own tensor
+            for slot, m in enumerate(experts):
+                m._route_owner, m._route_slot = self, slot
+                m.forward = types.MethodType(recording_experts_forward, m)
+        for t in ([self.mask] + fused + ([self.route_step] if record_routes else [])) if self.device.type == "cuda" else []:
             torch._dynamo.mark_static_address(t)  # filled in place; the captured graph reads it where it is
         self.compile = self.device.type == "cuda" if compile is None else compile
         self.step_fn = (torch.compile(self._forward, mode="reduce-overhead", fullgraph=True, dynamic=False)
@@ -367,7 +379,8 @@ class Decoder:
         return n
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """(N, T) tokens at positions `pos` -> (N, V) float32 logits of the last one; fills the cache."""
+        """(N, T) tokens at positions `pos` -> (N, V) float32 logits of the last one; fills the cache (and with
+        record_routes, `_route_out` with each MoE layer's (N*T, k) expert ids)."""
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache,
                          use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].float()
@@ -401,6 +414,8 @@ class Decoder:
             torch.cuda.synchronize()
         t0, steps = time.perf_counter(), 0
         for t in range(max_new_tokens):
+            if self.routes is not None and t:  # the token fed at the last step sits in slot width + t - 1
+                self.routes[:, width + t - 1] = self.route_step.transpose(0, 1)
             raw = logits
             if t < min_new_tokens:
                 logits = logits.index_fill(-1, torch.tensor([eos_id], device=logits.device), float("-inf"))
@@ -429,6 +444,12 @@ class Decoder:
         self.last_logps = None if logps is None else logps[:n, :width]  # (n, T_r): the sampled tokens' log-probs
         return torch.cat([prompt_ids, out[:, :width]], dim=1)
 
+    def last_routes(self, n: int, width: int) -> torch.Tensor:
+        """(n, width, L, k) expert ids of the last generate call's first `width` tokens (prompt + response): every
+        prompt token and every response token fed back (a row's last sampled token never is: its slot holds 0s,
+        and its routing decides no log-prob). A copy: the next generate call reuses the buffer."""
+        return self.routes[:n, :width].clone()
+
     def _prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_visible: bool):
         """Reset the cache and prefill all batch_size rows with the left-padded prompts (n rows; the rest copy the
         first). Response slots start visible to every row (generate) or hidden until a row writes them (the tree
@@ -443,7 +464,14 @@ class Decoder:
         pos = (pmask.cumsum(-1) - 1).clamp(min=0)  # (N, T_p): positions follow the left padding
         # The response slots are hidden only after the prefill: a mask hiding exactly the future slots reads as plain
         # causal to transformers, which then passes none, and the absorbed MLA needs one.
+        if self.routes is not None:
+            self.routes.zero_()
+            self._route_out = prefill_routes = self.route_step.new_empty(self.route_step.shape[0], N * width,
+                                                                         self.route_step.shape[2])
         logits = self._forward(ids, pos, self.mask)  # prefill, eager: prompt widths vary
+        if self.routes is not None:
+            self.routes[:, :width] = prefill_routes.view(-1, N, width, prefill_routes.shape[2]).permute(1, 2, 0, 3)
+            self._route_out = self.route_step
         if not response_visible:
             self.mask[:, width:] = 0
         self.slot = width
@@ -488,6 +516,8 @@ class Decoder:
             layer.values.index_copy_(0, dst, layer.values.index_select(0, src))
         keep = torch.arange(self.cache_len, device=dev) < upto[:, None]  # (n, cache_len)
         self.mask.index_copy_(0, dst, self.mask.index_select(0, src) * keep)
+        if self.routes is not None:  # the prefix's expert ids go with it (later slots are the source's own: hidden)
+            self.routes.index_copy_(0, dst, self.routes.index_select(0, src))
         self._count(forks=len(dst))
 
     @torch.no_grad()
@@ -562,8 +592,18 @@ class Decoder:
         if self.compile:
             torch.compiler.cudagraph_mark_step_begin()
         logits = self.step_fn(tok[:, None], pos[:, None], self.mask)  # (N, V)
+        if self.routes is not None:
+            self.routes[:, self.slot] = self.route_step.transpose(0, 1)
         self.slot += 1
         return logits
+
+
+def recording_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                              top_k_weights: torch.Tensor) -> torch.Tensor:
+    """An experts module's forward that first writes its (tokens, k) expert ids into the decoder's buffer (an
+    in-place copy into a static tensor: captured in the CUDA graph like the KV cache's writes)."""
+    self._route_owner._route_out[self._route_slot].copy_(top_k_index)
+    return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:

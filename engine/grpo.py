@@ -29,6 +29,7 @@ from .model import build_model, make_hf_config
 from .pretrain import forget_zero3_for_transformers, peak_memory_gib, report_error
 from .parallel import World, build_engine, device_kind, init_distributed, model_dtype, world_from_env
 from .rewards import build_rewards
+from .routing import Router, agreement, has_moe
 from .rollout import build_rollout, local_copy
 from .watchdog import PeerTimeoutError, peer_timeout
 from .tree import advantages as tree_advantages, cache_tokens, group_problems as tree_problems, tree_rollouts
@@ -244,9 +245,14 @@ def preflight(args, world: World):
                 problems.append(f"{name} row {i + 1}: prompt of {n} tokens + grpo.max_new_tokens {g.max_new_tokens} "
                                 f"exceeds the context ({limit}); shorten it or lower max_new_tokens")
                 break
+    if g.routing_replay == "r3" and not has_moe(hf_config):
+        problems.append(f"grpo.routing_replay r3: the {hf_config.model_type} model has no MoE layer, so there are no "
+                        "expert choices to replay; set grpo.routing_replay: off")
+    needs_local = next((why for on, why in ((g.tree.enabled, "grpo.tree"),
+                                            (g.routing_replay == "r3", "grpo.routing_replay r3")) if on), None)
     problem = decoder_family_problem(hf_config)
-    if problem and (g.rollout == "local" or g.tree.enabled):
-        problems.append(problem if g.rollout == "local" else f"{problem} (grpo.tree needs the local decoder)")
+    if problem and (g.rollout == "local" or needs_local):
+        problems.append(problem if g.rollout == "local" else f"{problem} ({needs_local} needs the local decoder)")
     elif problem and g.rollout == "auto":
         print0(f"note: {problem.split(';')[0]}: grpo.rollout auto picks engine")
         recipe = replace(recipe, grpo=replace(g, rollout="engine"))
@@ -255,8 +261,8 @@ def preflight(args, world: World):
         cache_len = decoder_cache_len(prompts + evals, cache_tokens(g))
         problem = decoder_fit_problem(hf_config, model_dtype(ds), per_rank, cache_len,
                                       torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", 0))).total_memory)
-        if problem and (g.rollout == "local" or g.tree.enabled):
-            problems.append(problem if g.rollout == "local" else f"{problem} (grpo.tree needs the local decoder)")
+        if problem and (g.rollout == "local" or needs_local):
+            problems.append(problem if g.rollout == "local" else f"{problem} ({needs_local} needs the local decoder)")
         elif problem:  # auto: generate through the engine instead
             print0(f"note: {problem.split(';')[0]}: grpo.rollout auto picks engine")
             recipe = replace(recipe, grpo=replace(g, rollout="engine"))
@@ -371,6 +377,7 @@ class Run:
     micro: int  # sequences per micro-batch
     n_seq: int  # sequences per rank per step (micro x accumulation)
     last_reward: object = None  # the last step's rewards, one per completion, prompt-major (grpo.curriculum reads them)
+    router: object = None  # engine/routing.Router on the policy when the decoder records expert choices
 
     @property
     def device(self):
@@ -387,6 +394,11 @@ class Rollouts:
     seconds: float
     tree: object = None  # grpo.tree: the rollout's tree structure (engine/tree.py TreeInfo)
     rollout_logp: torch.Tensor | None = None  # (N, T-1): the decoder's log p of each response target (chains)
+    routes: torch.Tensor | None = None  # (N, T, L, k): the decoder's expert ids per token and MoE layer
+
+    def replay(self, sl: slice, run: "Run") -> torch.Tensor | None:
+        """The routes the policy's forwards replay for micro-batch `sl` (None: its routers choose)."""
+        return self.routes[sl] if run.g.routing_replay == "r3" else None
 
 
 def generate_rollouts(run: Run, rows: list[dict], sampling: SamplingConfig) -> Rollouts:
@@ -404,8 +416,9 @@ def generate_rollouts(run: Run, rows: list[dict], sampling: SamplingConfig) -> R
     rl = getattr(run.rollout, "last_logps", None) if tree is None else None
     if rl is not None:  # response token j sits at ids[:, p_len + j], the target of position p_len - 1 + j
         rl = torch.nn.functional.pad(rl, (p_len - 1, 0))[:, : out.input_ids.shape[1] - 1]
+    routes = getattr(run.rollout, "last_routes", None)
     return Rollouts(out.input_ids, out.attention_mask, resp_mask, completions(out, run.tok), p_len, time.time() - t0,
-                    tree, rl)
+                    tree, rl, routes)
 
 
 def score(run: Run, rows: list[dict], r: Rollouts, step: int):
@@ -427,16 +440,28 @@ def score(run: Run, rows: list[dict], r: Rollouts, step: int):
 
 
 @torch.no_grad()
-def batched_logps(engine, r: Rollouts, micro: int, temperature: float) -> torch.Tensor:
-    """(N, T-1) log-probs under `engine` at the sampling temperature, micro-batch by micro-batch, no grad."""
-    return torch.cat([forward_logps(engine, r.ids[i:i + micro], r.attn[i:i + micro], temperature)[0]
-                      for i in range(0, len(r.ids), micro)])
+def batched_logps(engine, r: Rollouts, micro: int, temperature: float, run: Run | None = None) -> torch.Tensor:
+    """(N, T-1) log-probs under `engine` at the sampling temperature, micro-batch by micro-batch, no grad. With
+    `run`: the policy's, its routers replaying the rollout's routes when grpo.routing_replay is r3."""
+    out = []
+    for i in range(0, len(r.ids), micro):
+        sl = slice(i, i + micro)
+        with routed(run, r, sl):
+            out.append(forward_logps(engine, r.ids[sl], r.attn[sl], temperature)[0])
+    return torch.cat(out)
+
+
+def routed(run: Run | None, r: Rollouts, sl: slice, record: bool = False):
+    """The policy's routers for micro-batch `sl`: replaying (r3) and/or recording; a no-op without a Router."""
+    if run is None or run.router is None or r.routes is None:
+        return contextlib.nullcontext()
+    return run.router.use(r.replay(sl, run), record)
 
 
 def old_logps(run: Run, r: Rollouts) -> torch.Tensor | None:
     """The rollout policy's log-probs, for the ratio. With one optimizer step per rollout batch the policy at
     each micro-batch's forward *is* the rollout policy, so its own detached log-probs serve (None here)."""
-    return batched_logps(run.policy, r, run.micro, run.g.temperature) if run.g.iterations > 1 else None
+    return batched_logps(run.policy, r, run.micro, run.g.temperature, run) if run.g.iterations > 1 else None
 
 
 def response_tokens(r: Rollouts) -> float:
@@ -460,22 +485,53 @@ def policy_update(run: Run, r: Rollouts, adv, old, refl, count: float) -> tuple[
     normalizer = count / (run.world.size * (run.n_seq // run.micro))  # dapo: global token mean
     stats_sum: dict[str, torch.Tensor] = {}
     mismatch = []  # the first pass's rollout/train log-prob differences (the decoder's log-probs, chains only)
+    routes = []  # the first pass's routing agreement with the decoder (when it records expert choices)
     for it in range(run.g.iterations):
         for i in range(0, len(r.ids), run.micro):
             sl = slice(i, i + run.micro)
-            logp, ent = forward_logps(run.policy, r.ids[sl], r.attn[sl], run.g.temperature, with_entropy=True)
-            loss, stats = policy_loss(logp, logp.detach() if old is None else old[sl], adv[sl], r.resp_mask[sl],
-                                      run.loss_cfg, ref_logp=None if refl is None else refl[sl], entropy=ent,
-                                      token_normalizer=normalizer if run.g.aggregation == "dapo" else None,
-                                      rollout_logp=None if r.rollout_logp is None else r.rollout_logp[sl])
-            run.policy.backward(loss)
+            with routed(run, r, sl, record=it == 0):  # held through backward: a checkpointed recompute replays too
+                logp, ent = forward_logps(run.policy, r.ids[sl], r.attn[sl], run.g.temperature, with_entropy=True)
+                if it == 0 and run.router is not None and r.routes is not None:
+                    routes.append(routing_agreement(run.router, r, sl))
+                loss, stats = policy_loss(logp, logp.detach() if old is None else old[sl], adv[sl], r.resp_mask[sl],
+                                          run.loss_cfg, ref_logp=None if refl is None else refl[sl], entropy=ent,
+                                          token_normalizer=normalizer if run.g.aggregation == "dapo" else None,
+                                          rollout_logp=None if r.rollout_logp is None else r.rollout_logp[sl])
+                run.policy.backward(loss)
             run.policy.step()
             for k, v in {"loss": loss.detach(), **stats}.items():  # device tensors: no host wait per micro-batch
                 stats_sum[k] = stats_sum[k] + v if k in stats_sum else v
             if it == 0 and r.rollout_logp is not None:
                 mismatch.append(rollout_mismatch(logp.detach(), r.rollout_logp[sl], r.resp_mask[sl]))
     stats = dict(zip(stats_sum, torch.stack(list(stats_sum.values())).float().tolist()))  # one wait
-    return stats, mismatch_metrics(torch.stack(mismatch)) if mismatch else {}
+    return stats, {**(mismatch_metrics(torch.stack(mismatch)) if mismatch else {}),
+                   **(routing_metrics(torch.stack(routes), run.g.routing_replay == "r3") if routes else {})}
+
+
+def routing_agreement(router: Router, r: Rollouts, sl: slice) -> torch.Tensor:
+    """[choices equal, tokens all equal, tokens] x (dispatched, live) for micro-batch `sl`: the experts the policy's
+    forward dispatched to and those its live routers chose, against the decoder's, over the tokens whose outputs
+    the loss reads (every real token but each row's last: prompt and response)."""
+    used, live = router.recorded()  # (B*S, L, k)
+    attn = r.attn[sl]
+    mask = torch.nn.functional.pad(attn[:, :-1] * attn[:, 1:], (0, 1)).reshape(-1)
+    want = r.routes[sl].reshape(used.shape)
+    return torch.stack([agreement(used, want, mask), agreement(live, want, mask)])
+
+
+def routing_metrics(parts: torch.Tensor, replayed: bool) -> dict[str, float]:
+    """The step's routing agreement over every rank's micro-batches: parts (micro-batches, 2, 3) from
+    routing_agreement. routing_agree_*: the experts the training forward used; routing_live_agree_*: those its
+    routers would have chosen (the same without replay, so only reported with it)."""
+    sums = parts.sum(0)
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+    n = sums[:, 2].clamp(min=1)
+    (used_c, used_t), (live_c, live_t) = (sums[:, :2] / n[:, None]).tolist()
+    row = {"routing_agree_choice": used_c, "routing_agree_token": used_t}
+    if replayed:
+        row |= {"routing_live_agree_choice": live_c, "routing_live_agree_token": live_t}
+    return row
 
 
 def rollout_mismatch(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -577,6 +633,8 @@ def setup(recipe: Recipe, ds: dict, tok, rewards, prompts, evals, world: World) 
     g = recipe.grpo
     torch.manual_seed(recipe.train.seed + world.rank)  # different samples on each rank
     model = build_model(recipe.model, ds, tok, dtype=model_dtype(ds), device=_build_device(ds))
+    if recipe.train.activation_checkpointing:  # as in pretraining; a replayed forward's recompute replays too
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     t = recipe.train  # one schedule step per optimizer step: `iterations` per GRPO step
     schedule = replace(t, max_steps=t.max_steps * g.iterations, warmup_steps=t.warmup_steps * g.iterations,
                        decay_steps=t.decay_steps and t.decay_steps * g.iterations)
@@ -585,8 +643,12 @@ def setup(recipe: Recipe, ds: dict, tok, rewards, prompts, evals, world: World) 
     micro = policy.train_micro_batch_size_per_gpu()
     n_seq = micro * policy.gradient_accumulation_steps()
     cache_len = decoder_cache_len(prompts + evals, cache_tokens(g))
-    rollout = build_rollout(rollout_kind(recipe), policy, tok, n_seq, cache_len, g.decode_experts, g.min_new_tokens)
-    return Run(policy, ref, rollout, tok, rewards, g, loss_config(g), world, micro, n_seq)
+    # the decoder keeps its expert choices: for replay and the routing agreement metric
+    record = rollout_kind(recipe) == "local" and has_moe(policy.module.config)
+    rollout = build_rollout(rollout_kind(recipe), policy, tok, n_seq, cache_len, g.decode_experts, g.min_new_tokens,
+                            record_routes=record)
+    router = Router(policy.module) if record else None
+    return Run(policy, ref, rollout, tok, rewards, g, loss_config(g), world, micro, n_seq, router=router)
 
 
 def decoder_cache_len(rows: list[dict], max_new_tokens: int) -> int:

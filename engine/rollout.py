@@ -32,17 +32,19 @@ class DecoderRollout(RolloutEngine):
     name = "local"
 
     def __init__(self, engine, tokenizer, batch_size: int, cache_len: int, decode_experts: str = "auto",
-                 min_new_tokens: int = 0):
+                 min_new_tokens: int = 0, record_routes: bool = False):
         self.engine, self.tokenizer, self.decoder = engine, tokenizer, None
+        self.record_routes = record_routes  # keep each token's expert ids (engine/routing.py): last_routes
         self.min_new_tokens = min_new_tokens  # grpo.min_new_tokens: EOS masked before it when sampling (not greedy eval)
         self.batch_size, self.cache_len, self.decode_experts = batch_size, cache_len, decode_experts
         self.decode_steps, self.decode_s = 0, 0.0  # over the last generate call
         self.last_logps = None  # the last generate call's sampled-token log-probs (Decoder.generate)
+        self.last_routes = None  # record_routes: (N, T, L, k) expert ids of the last rollout's tokens, beside its ids
 
     def sync_weights(self, step: int) -> None:  # noqa: ARG002
         if self.decoder is None:
             self.decoder = Decoder(self.engine.module, self.engine.device, self.batch_size, self.cache_len,
-                                   self.decode_experts)
+                                   self.decode_experts, record_routes=self.record_routes)
         else:
             self.decoder.refresh(self.engine.module)
 
@@ -53,7 +55,7 @@ class DecoderRollout(RolloutEngine):
         ids = request.prompt_ids.repeat_interleave(n, dim=0)  # (B*G, T_p), left-padded
         attn = request.prompt_attention_mask.repeat_interleave(n, dim=0)
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
-        parts, logps, self.decode_steps, self.decode_s = [], [], 0, 0.0
+        parts, logps, routes, self.decode_steps, self.decode_s = [], [], [], 0, 0.0
         for i in range(0, len(ids), self.batch_size):  # more rows than the decoder's batch: in turns
             parts.append(self.decoder.generate(ids[i:i + self.batch_size], attn[i:i + self.batch_size],
                                                sampling.max_new_tokens, eos, pad, sampling.temperature,
@@ -62,11 +64,15 @@ class DecoderRollout(RolloutEngine):
             self.decode_steps += self.decoder.decode_steps
             self.decode_s += self.decoder.decode_s
             logps.append(self.decoder.last_logps)
+            if self.record_routes:
+                routes.append(self.decoder.last_routes(*parts[-1].shape))
         width = max(p.shape[1] for p in parts)
         out = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=pad) for p in parts])
         # the sampled tokens' log-probs at the decoder, (B*G, T_r) beside the responses (None when greedy)
         self.last_logps = None if logps[0] is None else torch.cat(
             [torch.nn.functional.pad(x, (0, width - prompt_len - x.shape[1])) for x in logps])
+        self.last_routes = torch.cat([torch.nn.functional.pad(x, (0, 0, 0, 0, 0, width - x.shape[1])) for x in routes]) \
+            if routes else None
         return RolloutBatch(input_ids=out, attention_mask=response_attention(out, attn, prompt_len, self.tokenizer),
                             response_start_idx=torch.full((out.shape[0],), prompt_len, device=out.device))
 
@@ -86,7 +92,7 @@ def response_attention(out: torch.Tensor, prompt_attn: torch.Tensor, prompt_len:
 
 
 def build_rollout(kind: str, engine, tokenizer, batch_size: int, cache_len: int,
-                  decode_experts: str = "auto", min_new_tokens: int = 0) -> RolloutEngine:
+                  decode_experts: str = "auto", min_new_tokens: int = 0, record_routes: bool = False) -> RolloutEngine:
     if kind == "local":
-        return DecoderRollout(engine, tokenizer, batch_size, cache_len, decode_experts, min_new_tokens)
+        return DecoderRollout(engine, tokenizer, batch_size, cache_len, decode_experts, min_new_tokens, record_routes)
     return HybridEngineRollout(engine, tokenizer)

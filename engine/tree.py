@@ -170,6 +170,7 @@ class TreeInfo:
     counts: dict  # the decoder's counters over this rollout
     generated_tokens: int  # tokens sampled (shared prefixes once)
     entropy: list[list[float]]  # per row, per response token: the entropy of the distribution it was drawn from
+    routes: object = None  # decoder recording routes: (rows, width + R, L, k) expert ids of each row's tokens
 
 
 def generate_tree(decoder, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cfg, max_new_tokens: int,
@@ -246,6 +247,14 @@ def generate_tree(decoder, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, 
     info = TreeInfo(G, [p.parent % G if p.parent >= 0 else -1 for p in leaves], [p.start for p in leaves],
                     [len(p.tokens) for p in leaves], points, dict(decoder.counts), decoder.counts["sampled_tokens"],
                     [p.entropy for p in leaves])
+    if getattr(decoder, "routes", None) is not None:  # each leaf's tokens' expert ids, from the slots they were fed at
+        slots = torch.zeros((P * G, width + R), dtype=torch.long)
+        slots[:, :width] = torch.arange(width)
+        for p in leaves:  # token k was fed at slots[k + 1] (the last one never is: its slot's ids are unused)
+            fed = p.slots[1:len(p.tokens) + 1]
+            slots[p.row, width:width + len(fed)] = torch.tensor(fed, dtype=torch.long)
+        slots = slots.to(decoder.routes.device)[..., None, None].expand(-1, -1, *decoder.routes.shape[2:])
+        info.routes = decoder.routes[:P * G].gather(1, slots)
     return torch.cat([ids, resp.to(ids.device)], dim=1), info
 
 
@@ -264,6 +273,7 @@ def tree_rollouts(rollout, request, sampling, cfg):
                               sampling.max_new_tokens, tok.eos_token_id, tok.pad_token_id, sampling.temperature,
                               sampling.top_p)
     rollout.decode_steps, rollout.decode_s = rollout.decoder.decode_steps, rollout.decoder.decode_s
+    rollout.last_routes = info.routes
     info.counts["seconds"] = time.perf_counter() - t0
     width = request.prompt_ids.shape[1]
     attn = response_attention(out, request.prompt_attention_mask.repeat_interleave(info.group, dim=0), width, tok)

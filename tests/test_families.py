@@ -323,15 +323,17 @@ def test_grpo_on_gated_deltanet_generates_through_the_engine(tmp_path, capfd, mo
                                                     for p in ("Q: 2 + 3 = ? A:", "Gus went to the harbor with")))
     ds = write_ds(tmp_path / "ds.json", base=ROOT / "ds_configs" / "zero3_grpo.json", drop=("bf16",),
                   train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=1)
-    for rollout in ("auto", "local"):
-        (tmp_path / f"{rollout}.yaml").write_text(GRPO_RECIPE.format(init=init, prompts=tmp_path / "prompts.jsonl",
-                                                                     rollout=rollout))
-    argv = ["--deepspeed_config", ds, "--config", tmp_path / "local.yaml", "--run_dir", tmp_path / "refused"]
-    p = run_in_process(main, argv, capfd, monkeypatch, RANK=0, LOCAL_RANK=0, WORLD_SIZE=2, LOCAL_SIZE=2)
-    lines = [line for line in p.stderr.splitlines() if line.strip()]
-    assert p.returncode == 2 and len(lines) == 1, p.stderr
-    assert lines[0].startswith("error: grpo.rollout: local (the persistent rollout decoder) cannot take a "
-                               "qwen3_5_moe_text model: its Gated DeltaNet"), lines[0]
+    for name, rollout in (("auto", "auto"), ("local", "local"), ("r3", "auto, routing_replay: r3")):
+        (tmp_path / f"{name}.yaml").write_text(GRPO_RECIPE.format(init=init, prompts=tmp_path / "prompts.jsonl",
+                                                                  rollout=rollout))
+    for name, why in (("local", ""), ("r3", " (grpo.routing_replay r3 needs the local decoder)")):
+        argv = ["--deepspeed_config", ds, "--config", tmp_path / f"{name}.yaml", "--run_dir", tmp_path / "refused"]
+        p = run_in_process(main, argv, capfd, monkeypatch, RANK=0, LOCAL_RANK=0, WORLD_SIZE=2, LOCAL_SIZE=2)
+        lines = [line for line in p.stderr.splitlines() if line.strip()]
+        assert p.returncode == 2 and len(lines) == 1, p.stderr
+        assert lines[0].startswith("error: grpo.rollout: local (the persistent rollout decoder) cannot take a "
+                                   "qwen3_5_moe_text model: its Gated DeltaNet"), lines[0]
+        assert lines[0].endswith(why), lines[0]
     p = run_ranks(2, ROOT / "bin" / "grpo.py", "--deepspeed_config", ds, "--config", tmp_path / "auto.yaml",
                   "--run_dir", tmp_path / "run", cwd=tmp_path)
     assert "grpo.rollout auto picks engine" in p.stdout

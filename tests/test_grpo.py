@@ -87,14 +87,15 @@ def probe(pretrained, name: str, ranks: int, kind: str, fp32: bool, *extra, iter
     return [json.loads((d / "out" / f"rank{r}.json").read_text()) for r in range(ranks)]
 
 
-LOCAL_GRPO = ", rollout_correction: tis, rollout_correction_cap: 0.5"
+LOCAL_GRPO = ", rollout_correction: tis, rollout_correction_cap: 0.5, routing_replay: r3"
 
 
 @pytest.fixture(scope="module")
 def runs(pretrained):
     """Two 2-rank GRPO runs (2 steps, beta > 0): local rollouts in fp32, engine rollouts in bf16 (as shipped). The
     local run corrects for the rollout/train mismatch (tis) with a cap of 0.5, below every weight (all ~1 in fp32):
-    each token's policy gradient is halved, and the rows say every token was truncated."""
+    each token's policy gradient is halved, and the rows say every token was truncated. It also replays the decoder's
+    expert choices (grpo.routing_replay r3)."""
     return {"local": probe(pretrained, "local", 2, "local", True, grpo=LOCAL_GRPO),
             "engine": probe(pretrained, "engine", 2, "engine", False)}
 
@@ -151,6 +152,17 @@ def test_the_rollout_train_mismatch_is_on_every_row(runs):
         assert a["rows"][1]["rollout_logp_diff_max"] == b["rows"][1]["rollout_logp_diff_max"]  # over both ranks
     assert not any("rollout_logp_diff_mean" in row or "rollout_corrected_frac" in row
                    for info in runs["engine"] for row in info["rows"])
+
+
+def test_the_routing_agreement_is_on_every_row(runs):
+    """Local rollouts record every token's expert ids; with r3 the rows show the training forward used them all
+    (agreement 1 by construction, measured), and what the live routers would have chosen (fp32: the same here).
+    Engine rollouts record none."""
+    for info in runs["local"]:
+        for row in info["rows"][1:]:
+            assert row["routing_agree_choice"] == row["routing_agree_token"] == 1.0, row
+            assert row["routing_live_agree_choice"] > 0.99 and row["routing_live_agree_token"] > 0.99, row
+    assert not any(k.startswith("routing_") for info in runs["engine"] for row in info["rows"] for k in row)
 
 
 def test_local_rollouts_finish_at_different_lengths_without_a_hang(runs):
@@ -535,3 +547,60 @@ def test_pipeline_config_is_refused_before_any_work(tmp_path, capfd, monkeypatch
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "GRPO runs on ZeRO configs" in errors[0], p.stderr
     assert not (tmp_path / "run").exists()
+
+
+REPLAY_PROBE = ROOT / "tests" / "scripts" / "replay_probe.py"
+
+
+def replay_probe(pretrained, name: str, ranks: int, checkpointing: bool) -> list[dict]:
+    d = pretrained / name
+    d.mkdir()
+    recipe = GRPO_RECIPE.replace("PROMPTS", str(pretrained / "prompts.jsonl")).replace(
+        "rollout: KIND", "rollout: local, routing_replay: r3")
+    if checkpointing:
+        recipe = recipe.replace("train: {", "train: {activation_checkpointing: true, ")
+    (d / "grpo.yaml").write_text(recipe)
+    run_launcher(ranks, REPLAY_PROBE, "--out", d / "out", "--deepspeed_config", grpo_ds(d / "ds.json", True),
+                 "--config", d / "grpo.yaml", "--init_from", pretrained / "hf", "--run_dir", d / "run", cwd=d)
+    return [json.loads((d / "out" / f"rank{r}.json").read_text()) for r in range(ranks)]
+
+
+@pytest.fixture(scope="module")
+def replays(pretrained):
+    """tests/scripts/replay_probe.py on 1 rank, on 2 ranks (ZeRO-3, expert parallel 2), and on 2 ranks with
+    activation checkpointing: fp32, the same 8 sampled rollouts everywhere."""
+    return {"one": replay_probe(pretrained, "replay1", 1, False), "two": replay_probe(pretrained, "replay2", 2, False),
+            "ckpt": replay_probe(pretrained, "replay2c", 2, True)}
+
+
+def test_replay_dispatches_every_token_to_the_decoders_experts(replays):
+    """grpo.routing_replay r3: for every prompt and response token and every MoE layer, the training forward
+    (ZeRO-3, AutoEP at expert parallel 2) dispatches to the experts the rollout decoder recorded; also to routes
+    no live router would choose (each id moved to the next expert), so the match is the replay, not agreement."""
+    two = replays["two"]
+    assert [r["ep_size"] for r in two] == [2, 2] and replays["one"][0]["ep_size"] == 1
+    for r in replays["one"] + two + replays["ckpt"]:
+        assert r["real_used_equal"] and r["foreign_used_equal"], r
+        assert r["foreign_live_equal"] < 0.5, r  # the live routers would have chosen otherwise
+        # In fp32 the live routers choose as the decoder did (8 rollouts decoded in two turns of 4 rows: each turn's
+        # routes are its own, not the next turn's)
+        assert r["real_live_agree"] > 0.99, r
+
+
+def test_replayed_router_gradient_equals_the_hand_computed_one(replays):
+    """The router still learns under replay: its gate weight's gradient (ZeRO-3's full gradient, averaged over
+    ranks) is non-zero and equals the gradient of transformers' own model whose routers return the same ids with
+    the family's arithmetic; 1 rank and 2 ranks and activation checkpointing on/off give the same gradient."""
+    import torch
+
+    def grads(r, key="grads"):
+        return torch.tensor(r[key])
+
+    ref = grads(replays["one"][0])
+    assert ref.abs().max() > 1e-4
+    for name, runs_ in replays.items():
+        for r in runs_:
+            assert r["hand_logp_vs_engine"] < 1e-4, (name, r["hand_logp_vs_engine"])
+            torch.testing.assert_close(grads(r), grads(r, "hand_grads"), atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(grads(r), ref, atol=1e-5, rtol=1e-4)
+    assert replays["ckpt"][0]["checkpointing"] and not replays["two"][0]["checkpointing"]

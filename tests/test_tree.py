@@ -327,7 +327,7 @@ def test_grpo_with_tree_rollouts_trains_on_the_trees(pretrained):
 data: {{path: {pretrained / 'prompts.jsonl'}}}
 train: {{max_steps: 2, lr: 1.0e-3, warmup_steps: 0, log_every: 1}}
 grpo: {{max_new_tokens: 8, temperature: 1.0, beta: 0.04, tree: {{enabled: true, trees: 2, branches: 1}},
-       rewards: [{{name: numeric, which: first}}, {{name: length_penalty, target: 3, scale: 0.1}}]}}
+       routing_replay: r3, rewards: [{{name: numeric, which: first}}, {{name: length_penalty, target: 3, scale: 0.1}}]}}
 checkpoint: {{at_end: false}}
 """)
     run_launcher(1, TREE_PROBE, "--out", d / "out", "--deepspeed_config", grpo_ds(d / "ds.json", True), "--config",
@@ -338,6 +338,9 @@ checkpoint: {{at_end: false}}
     shared_total, varying = 0, 0
     for r, s in zip(rows, seen["steps"]):
         assert math.isfinite(r["loss"]) and math.isfinite(r["kl"]), r
+        # r3 on trees: every token (shared prefixes too) went to the experts the decoder recorded; fp32, so the
+        # live routers would have chosen the same
+        assert r["routing_agree_choice"] == 1.0 and r["routing_live_agree_token"] > 0.99, r
         t, p_len = s["tree"], s["p_len"]
         assert t is not None, "the loss got rollouts without a tree"
         ids, adv, mask = torch.tensor(s["ids"]), torch.tensor(s["adv"]), torch.tensor(s["resp_mask"])

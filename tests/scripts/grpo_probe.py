@@ -149,7 +149,7 @@ def main() -> None:
     info["old_logps"] = []  # per step: True where the old-log-prob forward ran
 
     def old_logps_recorded(run, r):
-        old = grpo.batched_logps(run.policy, r, run.micro, run.g.temperature) if force_old else old_logps(run, r)
+        old = grpo.batched_logps(run.policy, r, run.micro, run.g.temperature, run) if force_old else old_logps(run, r)
         info["old_logps"].append(old is not None)
         return old
 
