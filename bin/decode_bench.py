@@ -36,6 +36,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                     help="weights, activations and cache: auto is bf16 on CUDA, fp32 elsewhere; fp32 on CUDA tells "
                     "rounding on near-tie logits from a fork that copies the wrong cache (--tree)")
+    ap.add_argument("--record_routes", action="store_true",
+                    help="the decoder records every token's expert ids (what GRPO's local rollouts do, for "
+                    "grpo.routing_replay and the routing agreement metric); compare the ms per step without it")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
 
@@ -61,7 +64,7 @@ def main(argv=None) -> int:
     cache_len = -(-(req.prompt_ids.shape[1] + args.new_tokens) // 16) * 16
     t0 = time.perf_counter()
     dec = Decoder(model, device, args.batch, cache_len, args.decode_experts or recipe.grpo.decode_experts,
-                  compile=False if args.no_compile else None)
+                  compile=False if args.no_compile else None, record_routes=args.record_routes)
     build_s = time.perf_counter() - t0
     rows = []
 
@@ -109,7 +112,8 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "a") as f:
             for r in rows:
-                f.write(json.dumps({"config": args.config, "decode_experts": dec.decode_experts, "batch": args.batch, "new_tokens": args.new_tokens,
+                f.write(json.dumps({"config": args.config, "decode_experts": dec.decode_experts, "batch": args.batch,
+                                    "new_tokens": args.new_tokens, "record_routes": args.record_routes,
                                     "dtype": str(dtype).replace("torch.", ""), "cache_len": cache_len, **r}) + "\n")
     return 0
 
