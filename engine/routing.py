@@ -86,10 +86,6 @@ def _routed_forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None = No
     ids = ctl.replay[slot]
     if ids.shape[0] != x.shape[0]:
         raise RuntimeError(f"routing replay: {ids.shape[0]} recorded tokens for a forward over {x.shape[0]}")
-    if ctl.record:  # what the live router would have chosen (its bias and groups included): metrics only
-        with torch.no_grad():
-            ctl.live[slot] = self._own_forward(x, expert_bias)[1]
-        ctl.used[slot] = ids
     logits = self.gate(x).to(torch.float32)  # the router's math from here on, on the recorded experts
     if self.score_func == "sigmoid":
         scores = torch.sigmoid(logits)
@@ -97,10 +93,22 @@ def _routed_forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None = No
         scores = F.softmax(logits, dim=1)
     else:
         raise NotImplementedError(f"routing replay: unknown score function {self.score_func}")
+    if ctl.record:  # metrics only: what the live router would have chosen from these scores (its bias and groups)
+        ctl.used[slot], ctl.live[slot] = ids, _live_choice(self, scores.detach(), expert_bias)
     top = scores.gather(1, ids)
     if self.route_norm:
         top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
     return top * self.route_scale, ids, count_tokens_per_expert(ids, self.num_experts)
+
+
+def _live_choice(router, scores: torch.Tensor, expert_bias: torch.Tensor | None) -> torch.Tensor:
+    """TokenChoiceTopKRouter's selection from its scores (T, E): biases added, groups limited, top-k."""
+    choice = scores if expert_bias is None else scores + expert_bias
+    if router.e_score_correction_bias is not None:
+        choice = choice + router.e_score_correction_bias.unsqueeze(0)
+    if router.num_expert_groups is not None:
+        choice = router._get_node_limited_routing_scores(choice)
+    return torch.topk(choice, k=router.top_k, dim=-1, sorted=False)[1]
 
 
 def agreement(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -124,3 +124,44 @@ def test_a_model_without_moe_layers_has_nothing_to_replay():
     assert has_moe(tiny_model().config)
     assert not has_moe(DeepseekV3Config(num_hidden_layers=2, first_k_dense_replace=2))
     assert not has_moe(DeepseekV3Config(num_hidden_layers=2, n_routed_experts=0))
+
+
+@pytest.mark.parametrize("score_func, groups, bias", [("sigmoid", None, True), ("sigmoid", 2, True),
+                                                      ("softmax", None, False)])
+def test_replaying_the_live_choice_is_deepspeeds_router(score_func, groups, bias):
+    """On DeepSpeed's own TokenChoiceTopKRouter (sigmoid with DeepSeek's correction bias and group-limited routing;
+    softmax as Mixtral/Qwen): replaying the ids it would choose gives exactly its weights, ids and counts, and the
+    recorded live choice is its choice; replaying other ids changes the weights, which still carry a gradient."""
+    from deepspeed.moe.ep_router import TokenChoiceTopKRouter
+
+    from engine.routing import Router
+
+    torch.manual_seed(0)
+    r = TokenChoiceTopKRouter(dim=16, num_experts=8, num_expert_groups=groups, num_limited_groups=groups and 1,
+                              top_k=2, score_func=score_func, route_norm=True, route_scale=2.5, gate_bias=False)
+    if bias:
+        r.e_score_correction_bias = torch.randn(8) * 0.1
+    layer = torch.nn.Module()
+    layer._is_autoep_layer, layer.router = True, r
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.model.layers[0].mlp = layer
+    x, expert_bias = torch.randn(5, 16), torch.randn(8) * 0.05
+    want = r(x, expert_bias)
+    router = Router(model)
+    with router.use(None, record=True):
+        plain = r(x, expert_bias)
+    assert all(torch.equal(a, b) for a, b in zip(plain, want))
+    with router.use(want[1][:, None, None, :].to(torch.int16), record=True):  # (B 5, S 1, L 1, k 2)
+        got = r(x, expert_bias)
+        used, live = router.recorded()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(used[:, 0], want[1]) and torch.equal(live[:, 0], want[1])
+    other = (want[1] + 3) % 8
+    with router.use(other[:, None, None, :], record=True):
+        top, ids, counts = r(x, expert_bias)
+        assert torch.equal(router.recorded()[1][:, 0], want[1])  # the live choice is still reported
+    assert torch.equal(ids, other) and not torch.allclose(top, want[0]) and counts.sum() == 10
+    top.sum().backward()
+    assert r.gate.weight.grad.abs().max() > 0

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Greedy arithmetic accuracy of a pretraining run's checkpoints, as they appear (docs/bench/grpo_task.sh).
 
-Each checkpoint (RUN_DIR/checkpoints/step_*) is exported to Hugging Face format (engine/export.py, fp32), loaded
+Each checkpoint (RUN_DIR/checkpoints/step_*) is exported to Hugging Face format (engine/export/write.py, fp32), loaded
 in the GRPO policy's dtype (bf16 on CUDA, fp32 on CPU) and decoded greedily by the GRPO rollout decoder
 (engine/decoder.py, eager) for `max_new_tokens` (the GRPO recipe's), then scored with the `numeric` reward
 (`which: first`), as bin/grpo.py scores its held-out prompts (grpo.eval_path). Two prompt sets:
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     from engine.config import load_recipe
     from engine.data import load_tokenizer
     from engine.decoder import Decoder
-    from engine.export import export
+    from engine.export.write import export
     from engine.grpo import left_pad, load_prompts
     from engine.rewards import build_rewards
 

@@ -22,7 +22,8 @@
 #   PT_RECIPE=engine/recipes/arith_small.yaml PT_DS=ds_configs/zero3.json GRPO_DS=ds_configs/zero2_grpo.json
 #   SUMMARY_ONLY=1 (re-read $OUT)  INIT_FROM=<HF dir: skip pretraining>  LR=<train.lr of the GRPO runs instead of the recipe's>
 #   PARALLEL=<at most this many GRPO runs at once (each still cut BUDGET_S - 45 s after its own start); default all>
-#   PORT=<first --master_port of the GRPO runs (29510)>
+#   PORT=<first --master_port of the GRPO runs (29510)>  LRS="1e-5 3e-4" (every run at each; one table per rate)
+#   VARIANTS may also name r3 and r3_tis (grpo_arith_r3*.yaml: routing replay, and replay + tis)
 # CPU smoke test (tiny model, a few steps, one seed):
 #   OUT=/tmp/gt PT_RECIPE=engine/recipes/tiny.yaml PT_MAX_STEPS=4 PT_EVERY=2 TARGET=2 SEEDS=1 TOKENS=300 \
 #   GRPO_MAX_STEPS=2 GRPO_DS=/tmp/gt_ds.json bash docs/bench/grpo_task.sh   (/tmp/gt_ds.json: zero2_grpo at 8 x 1)
@@ -45,6 +46,9 @@ left() { echo $((END - SECONDS)); }
 DS="python3 -m deepspeed.launcher.runner"
 CUDA=$(python3 -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
 variant_recipe() { [ "$1" = plain ] && echo engine/recipes/grpo_arith.yaml || echo "engine/recipes/grpo_arith_$1.yaml"; }
+LR_LIST=${LRS:-${LR:-_}}  # LRS="1e-5 3e-4": every variant x seed at each (one table per rate); _: the recipe's
+run_name() { [ "$3" = _ ] && echo "${1}_s$2" || echo "${1}_lr$3_s$2"; }
+metrics_name() { [ "$1" = _ ] && echo grpo_metrics.jsonl || echo "grpo_metrics_lr$1.jsonl"; }
 
 if [ "${SUMMARY_ONLY:-0}" != 1 ]; then
   rm -f "$OUT/decode_tree.jsonl" "$OUT/pretrain_evals.jsonl"
@@ -99,10 +103,11 @@ EOF
   PIDS=""
   limit=$(( $(left) - 45 ))
   echo "GRPO: $(echo $VARIANTS | wc -w) variants x $(echo $SEEDS | wc -w) seeds at $((SECONDS - T0))s, each cut at ${limit}s"
+  for lr in $LR_LIST; do
   for v in $VARIANTS; do
     for s in $SEEDS; do
-      name=${v}_s$s
-      python3 - "$(variant_recipe $v)" "$W/recipes/$name.yaml" "$s" "${TOKENS:-}" "${GRPO_MAX_STEPS:-}" "${LR:-}" <<'EOF'
+      name=$(run_name "$v" "$s" "$lr")
+      python3 - "$(variant_recipe $v)" "$W/recipes/$name.yaml" "$s" "${TOKENS:-}" "${GRPO_MAX_STEPS:-}" "${lr#_}" <<'EOF'
 import sys, yaml
 src, dst, seed, tokens, steps, lr = sys.argv[1:7]
 r = yaml.safe_load(open(src))
@@ -125,18 +130,22 @@ EOF
       port=$((port + 1))
     done
   done
+  done
   for p in $PIDS; do
     wait "${p%%:*}"
     echo "grpo ${p#*:}: exit $? at $((SECONDS - T0))s $(grep -m1 -oE 'Error: .{0,160}|error: .{0,160}' "$LOGS/grpo_${p#*:}.log")"
   done
-  rm -f "$OUT/grpo_metrics.jsonl"
+  rm -f "$OUT"/grpo_metrics*.jsonl
+  for lr in $LR_LIST; do
   for v in $VARIANTS; do
     for s in $SEEDS; do
-      f="$W/runs/${v}_s$s/metrics.jsonl"
+      f="$W/runs/$(run_name "$v" "$s" "$lr")/metrics.jsonl"
       [ -f "$f" ] && python3 -c "import json, sys
 for line in open(sys.argv[1]):
-    print(json.dumps({'variant': sys.argv[2], 'seed': int(sys.argv[3]), **json.loads(line)}))" "$f" "$v" "$s" >> "$OUT/grpo_metrics.jsonl"
+    print(json.dumps({'variant': sys.argv[2], 'seed': int(sys.argv[3]), **json.loads(line)}))" "$f" "$v" "$s" \
+        >> "$OUT/$(metrics_name "$lr")"
     done
+  done
   done
   if [ -n "$DB_PID" ]; then
     if kill -0 "$DB_PID" 2>/dev/null; then echo "decode_bench still running at $((SECONDS - T0))s: waiting up to 30s"; fi
@@ -148,8 +157,12 @@ fi
 
 # 4. the tables
 [ "${SUMMARY_ONLY:-0}" != 1 ] && cp "$W/init_hf/selected.json" "$OUT/pretrain_selected.json" 2>/dev/null
-python3 docs/bench/grpo_task_table.py --metrics "$OUT/grpo_metrics.jsonl" --pretrain "$OUT/pretrain_evals.jsonl" \
-  --selected "$OUT/pretrain_selected.json" ${TOKENS:+--budget $TOKENS} 2>&1 | tee "$OUT/summary.md"
+rm -f "$OUT/summary.md"
+for lr in $LR_LIST; do
+  [ "$lr" != _ ] && echo "## GRPO at train.lr $lr" | tee -a "$OUT/summary.md"
+  python3 docs/bench/grpo_task_table.py --metrics "$OUT/$(metrics_name "$lr")" --pretrain "$OUT/pretrain_evals.jsonl" \
+    --selected "$OUT/pretrain_selected.json" ${TOKENS:+--budget $TOKENS} 2>&1 | tee -a "$OUT/summary.md"
+done
 echo "total: $((SECONDS - T0))s"
 [ "${SUMMARY_ONLY:-0}" != 1 ] && tar czf "$OUT/logs.tgz" -C "$LOGS" . "$W/recipes" 2>/dev/null
 exit 0

@@ -23,8 +23,12 @@ from pathlib import Path
 
 KEY = "eval_reward_numeric"
 RECIPE = {"plain": "grpo_arith.yaml", "curriculum": "grpo_arith_curriculum.yaml", "tree": "grpo_arith_tree.yaml",
-          "tree_curriculum": "grpo_arith_tree_curriculum.yaml"}
-NAME = {"plain": "plain GRPO", "curriculum": "curriculum", "tree": "tree rollouts", "tree_curriculum": "tree + curriculum"}
+          "tree_curriculum": "grpo_arith_tree_curriculum.yaml", "r3": "grpo_arith_r3.yaml",
+          "r3_tis": "grpo_arith_r3_tis.yaml"}
+NAME = {"plain": "plain GRPO", "curriculum": "curriculum", "tree": "tree rollouts", "tree_curriculum": "tree + curriculum",
+        "r3": "routing replay (r3)", "r3_tis": "r3 + tis"}
+MISMATCH = ("rollout_logp_diff_mean", "rollout_logp_diff_max", "rollout_kl_k3", "routing_agree_choice",
+            "routing_agree_token", "routing_live_agree_choice", "routing_live_agree_token", "rollout_corrected_frac")
 
 
 def load_runs(path: Path) -> dict:
@@ -163,6 +167,20 @@ def main(argv=None) -> int:
               f"{pct(mean(x['after']))} ± {100 * sd(x['after']):.1f} | {pct(mean(x['gain']), True)} ± {100 * sd(x['gain']):.1f} | "
               f"{diff} | {verdict} | {x['steps']:.0f} | {x['tokens_step']:.1f} | {x['step_s']:.3f} |")
     print()
+
+    have = [m for m in MISMATCH if any(m in x for k in runs for x in runs[k]["steps"])]
+    if have:  # the rollout/train mismatch each variant trained with: mean over its steps, then over seeds
+        print("### Rollout/train mismatch (mean over steps, mean ± sd over seeds)\n")
+        print("| variant | " + " | ".join(have) + " |")
+        print("|---|" + "---|" * len(have))
+        for v in variants:
+            cells = []
+            for m in have:
+                per = [mean([x[m] for x in runs[k]["steps"] if m in x]) for k in runs if k[0] == v
+                       and any(m in x for x in runs[k]["steps"])]
+                cells.append(f"{mean(per):.4g} ± {sd(per):.2g}" if per else "-")
+            print(f"| {NAME[v]} | " + " | ".join(cells) + " |")
+        print()
 
     top = common if common is not None else min(f[0] for f in finals.values())
     grid = [top * i / args.grid for i in range(args.grid + 1)]
