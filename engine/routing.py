@@ -36,7 +36,7 @@ class Router:
         self.layers = moe_layers(module)
         if not self.layers:
             raise ValueError("grpo.routing_replay: the policy has no MoE (AutoEP) layer to replay")
-        self.replay: torch.Tensor | None = None  # (L, T, k) long: the micro-batch's recorded ids, tokens flattened
+        self.replay: torch.Tensor | None = None  # (L, T, k): the micro-batch's recorded ids, tokens flattened
         self.record = False
         self.used: list[torch.Tensor | None] = []  # per layer (T, k): the ids dispatched at the last forward
         self.live: list[torch.Tensor | None] = []  # per layer (T, k): the live router's own choice
@@ -57,8 +57,8 @@ class Router:
         if routes is not None and routes.shape[2] != len(self.layers):
             raise RuntimeError(f"routing replay: routes of {routes.shape[2]} MoE layers for a policy with "
                                f"{len(self.layers)}")
-        # (L, T, k): each layer's ids contiguous, as AutoEP views them
-        self.replay = None if routes is None else routes.reshape(-1, *routes.shape[2:]).transpose(0, 1).long().contiguous()
+        # (L, T, k) in the recording's dtype (int16): each layer's ids contiguous, widened to int64 one layer at a time
+        self.replay = None if routes is None else routes.reshape(-1, *routes.shape[2:]).transpose(0, 1).contiguous()
         self.record = record
         self.used, self.live = [None] * len(self.layers), [None] * len(self.layers)
         try:
@@ -83,7 +83,7 @@ def _routed_forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None = No
         if ctl.record:
             ctl.used[slot] = ctl.live[slot] = out[1].detach()
         return out
-    ids = ctl.replay[slot]
+    ids = ctl.replay[slot].long()
     if ids.shape[0] != x.shape[0]:
         raise RuntimeError(f"routing replay: {ids.shape[0]} recorded tokens for a forward over {x.shape[0]}")
     logits = self.gate(x).to(torch.float32)  # the router's math from here on, on the recorded experts
