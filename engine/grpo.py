@@ -396,9 +396,49 @@ class Rollouts:
     rollout_logp: torch.Tensor | None = None  # (N, T-1): the decoder's log p of each response target (chains)
     routes: torch.Tensor | None = None  # (N, T, L, k): the decoder's expert ids per token and MoE layer
 
-    def replay(self, sl: slice, run: "Run") -> torch.Tensor | None:
-        """The routes the policy's forwards replay for micro-batch `sl` (None: its routers choose)."""
-        return self.routes[sl] if run.g.routing_replay == "r3" else None
+    def replay(self, m: "Micro", run: "Run") -> torch.Tensor | None:
+        """The routes the policy's forwards replay for micro-batch `m` (None: its routers choose)."""
+        return m.tokens(self.routes) if run.g.routing_replay == "r3" else None
+
+
+@dataclass
+class Micro:
+    """A training micro-batch of a rollout batch: some of its rows, and the columns [lo, hi) that hold their tokens."""
+    rows: torch.Tensor  # (B,) long
+    lo: int
+    hi: int
+
+    def tokens(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """Per-token tensors (N, T, ...) -> (B, hi - lo, ...)."""
+        return None if t is None else t[self.rows, self.lo:self.hi]
+
+    def targets(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """Per-target tensors (N, T-1) (target ids[:, j + 1] at j) -> (B, hi - lo - 1); per-sequence (N,) -> (B,)."""
+        if t is None:
+            return None
+        return t[self.rows] if t.dim() == 1 else t[self.rows, self.lo:self.hi - 1]
+
+
+def micro_batches(attn: torch.Tensor, micro: int, pack: bool = True) -> list[Micro]:
+    """The rollout batch's training micro-batches, `micro` rows each. pack: the rows sorted by where their tokens end
+    (then begin), longest first, and each micro-batch cut to the columns its rows use, so no forward runs on a column
+    that is padding in every row of it (completions end at EOS at different lengths). The loss is unchanged: every
+    micro-batch keeps `micro` rows, each aggregation is a sum over rows or tokens that does not depend on which rows
+    share a micro-batch, and a row's positions follow its own attention mask. pack=False: consecutive rows, every
+    column (as the rollouts came)."""
+    N, T = attn.shape
+    if not pack:
+        return [Micro(torch.arange(i, min(i + micro, N), device=attn.device), 0, T) for i in range(0, N, micro)]
+    real = attn.bool()
+    first = real.int().argmax(1)  # left padding
+    end = T - real.flip(1).int().argmax(1)  # one past the last real token
+    order = torch.argsort(end * (T + 1) + (T - first), descending=True, stable=True)
+    first, end, order_l = first.tolist(), end.tolist(), order.tolist()  # one wait per step
+    out = []
+    for i in range(0, N, micro):
+        rows = order_l[i:i + micro]
+        out.append(Micro(order[i:i + micro], min(first[r] for r in rows), max(end[r] for r in rows)))
+    return out
 
 
 def generate_rollouts(run: Run, rows: list[dict], sampling: SamplingConfig) -> Rollouts:
@@ -443,19 +483,18 @@ def score(run: Run, rows: list[dict], r: Rollouts, step: int):
 def batched_logps(engine, r: Rollouts, micro: int, temperature: float, run: Run | None = None) -> torch.Tensor:
     """(N, T-1) log-probs under `engine` at the sampling temperature, micro-batch by micro-batch, no grad. With
     `run`: the policy's, its routers replaying the rollout's routes when grpo.routing_replay is r3."""
-    out = []
-    for i in range(0, len(r.ids), micro):
-        sl = slice(i, i + micro)
-        with routed(run, r, sl):
-            out.append(forward_logps(engine, r.ids[sl], r.attn[sl], temperature)[0])
-    return torch.cat(out)
+    out = torch.zeros(r.attn.shape[0], r.attn.shape[1] - 1, dtype=torch.float32, device=r.attn.device)
+    for m in micro_batches(r.attn, micro):
+        with routed(run, r, m):
+            out[m.rows, m.lo:m.hi - 1] = forward_logps(engine, m.tokens(r.ids), m.tokens(r.attn), temperature)[0].float()
+    return out  # 0 where no micro-batch had a column: padding, never a response target
 
 
-def routed(run: Run | None, r: Rollouts, sl: slice, record: bool = False):
-    """The policy's routers for micro-batch `sl`: replaying (r3) and/or recording; a no-op without a Router."""
+def routed(run: Run | None, r: Rollouts, m: Micro, record: bool = False):
+    """The policy's routers for micro-batch `m`: replaying (r3) and/or recording; a no-op without a Router."""
     if run is None or run.router is None or r.routes is None:
         return contextlib.nullcontext()
-    return run.router.use(r.replay(sl, run), record)
+    return run.router.use(r.replay(m, run), record)
 
 
 def old_logps(run: Run, r: Rollouts) -> torch.Tensor | None:
@@ -486,36 +525,38 @@ def policy_update(run: Run, r: Rollouts, adv, old, refl, count: float) -> tuple[
     stats_sum: dict[str, torch.Tensor] = {}
     mismatch = []  # the first pass's rollout/train log-prob differences (the decoder's log-probs, chains only)
     routes = []  # the first pass's routing agreement with the decoder (when it records expert choices)
+    micros = micro_batches(r.attn, run.micro)
     for it in range(run.g.iterations):
-        for i in range(0, len(r.ids), run.micro):
-            sl = slice(i, i + run.micro)
-            with routed(run, r, sl, record=it == 0):  # held through backward: a checkpointed recompute replays too
-                logp, ent = forward_logps(run.policy, r.ids[sl], r.attn[sl], run.g.temperature, with_entropy=True)
+        for m in micros:
+            with routed(run, r, m, record=it == 0):  # held through backward: a checkpointed recompute replays too
+                logp, ent = forward_logps(run.policy, m.tokens(r.ids), m.tokens(r.attn), run.g.temperature,
+                                          with_entropy=True)
                 if it == 0 and run.router is not None and r.routes is not None:
-                    routes.append(routing_agreement(run.router, r, sl))
-                loss, stats = policy_loss(logp, logp.detach() if old is None else old[sl], adv[sl], r.resp_mask[sl],
-                                          run.loss_cfg, ref_logp=None if refl is None else refl[sl], entropy=ent,
+                    routes.append(routing_agreement(run.router, r, m))
+                mask = m.targets(r.resp_mask)
+                loss, stats = policy_loss(logp, logp.detach() if old is None else m.targets(old), m.targets(adv), mask,
+                                          run.loss_cfg, ref_logp=m.targets(refl), entropy=ent,
                                           token_normalizer=normalizer if run.g.aggregation == "dapo" else None,
-                                          rollout_logp=None if r.rollout_logp is None else r.rollout_logp[sl])
+                                          rollout_logp=m.targets(r.rollout_logp))
                 run.policy.backward(loss)
             run.policy.step()
             for k, v in {"loss": loss.detach(), **stats}.items():  # device tensors: no host wait per micro-batch
                 stats_sum[k] = stats_sum[k] + v if k in stats_sum else v
             if it == 0 and r.rollout_logp is not None:
-                mismatch.append(rollout_mismatch(logp.detach(), r.rollout_logp[sl], r.resp_mask[sl]))
+                mismatch.append(rollout_mismatch(logp.detach(), m.targets(r.rollout_logp), mask))
     stats = dict(zip(stats_sum, torch.stack(list(stats_sum.values())).float().tolist()))  # one wait
     return stats, {**(mismatch_metrics(torch.stack(mismatch)) if mismatch else {}),
                    **(routing_metrics(torch.stack(routes), run.g.routing_replay == "r3") if routes else {})}
 
 
-def routing_agreement(router: Router, r: Rollouts, sl: slice) -> torch.Tensor:
-    """[choices equal, tokens all equal, tokens] x (dispatched, live) for micro-batch `sl`: the experts the policy's
+def routing_agreement(router: Router, r: Rollouts, m: Micro) -> torch.Tensor:
+    """[choices equal, tokens all equal, tokens] x (dispatched, live) for micro-batch `m`: the experts the policy's
     forward dispatched to and those its live routers chose, against the decoder's, over the tokens whose outputs
     the loss reads (every real token but each row's last: prompt and response)."""
     used, live = router.recorded()  # (B*S, L, k)
-    attn = r.attn[sl]
+    attn = m.tokens(r.attn)
     mask = torch.nn.functional.pad(attn[:, :-1] * attn[:, 1:], (0, 1)).reshape(-1)
-    want = r.routes[sl].reshape(used.shape)
+    want = m.tokens(r.routes).reshape(used.shape)
     return torch.stack([agreement(used, want, mask), agreement(live, want, mask)])
 
 

@@ -180,3 +180,51 @@ def test_a_tokenizer_without_a_pad_token_pads_with_eos(tmp_path, capsys):
     assert f"has no pad token; padding with its EOS token '{tok.eos_token}'" in capsys.readouterr().out
     req = left_pad(["Q: 1 + 2 = ? A:", "Gus went to the harbor with 9 pens. Q: 10 + 20 = ? A:"], tok, "cpu")
     assert req.prompt_ids[0, 0] == tok.eos_token_id and req.prompt_attention_mask[0, 0] == 0
+
+
+@pytest.mark.parametrize("aggregation", ["grpo", "dapo", "dr_grpo"])
+def test_packed_micro_batches_give_the_same_loss_and_gradient(aggregation):
+    """engine/grpo.py micro_batches: rows sorted by length and each micro-batch cut to the columns its rows use give
+    the loss and gradient of consecutive full-width micro-batches (a sum over micro-batches of policy_loss / their
+    number, as DeepSpeed averages them), on left-padded prompts and completions of different lengths; and they run
+    the forwards on fewer columns."""
+    from engine.grpo import forward_logps, micro_batches
+    from engine.grpo_math import GRPOLossConfig, policy_loss
+    from engine.head import install
+
+    model = install(tiny_model())
+    torch.manual_seed(3)
+    N, P, R = 8, 6, 12
+    ids = torch.randint(3, 512, (N, P + R))
+    attn = torch.ones_like(ids)
+    attn[::3, :2] = 0  # left padding of some prompts
+    ends = [2, 12, 5, 3, 9, 12, 1, 4]  # response lengths
+    for i, n in enumerate(ends):
+        attn[i, P + n:] = 0
+    resp = attn[:, 1:].clone()
+    resp[:, :P - 1] = 0
+    adv = torch.randn(N)
+    ref = torch.randn(N, P + R - 1) * 0.1 - 3
+    cfg = GRPOLossConfig(aggregation=aggregation, beta=0.04, max_new_tokens=R)
+    count = float(resp.sum())
+
+    def total(pack):
+        model.zero_grad()
+        micros = micro_batches(attn, 2, pack=pack)
+        loss_sum = 0.0
+        for m in micros:
+            logp, _ = forward_logps(model, m.tokens(ids), m.tokens(attn), 0.9)
+            loss, _ = policy_loss(logp, logp.detach(), m.targets(adv), m.targets(resp), cfg,
+                                  ref_logp=m.targets(ref), token_normalizer=count / len(micros) if aggregation == "dapo" else None)
+            (loss / len(micros)).backward()
+            loss_sum += float(loss.detach()) / len(micros)
+        cols = sum(len(m.rows) * (m.hi - m.lo) for m in micros)
+        return loss_sum, [p.grad.clone() for p in model.parameters() if p.grad is not None], cols
+
+    plain, packed = total(False), total(True)
+    assert abs(plain[0] - packed[0]) < 1e-5 * max(1.0, abs(plain[0])), (plain[0], packed[0])
+    assert len(plain[1]) == len(packed[1])
+    for a, b in zip(plain[1], packed[1]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+    assert max(a.abs().max() for a in plain[1]) > 1e-4  # not vacuous
+    assert packed[2] < 0.75 * plain[2], (packed[2], plain[2])  # padding columns skipped

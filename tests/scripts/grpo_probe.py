@@ -209,11 +209,12 @@ def main() -> None:
         want, at_one = pick(lg / run.g.temperature), pick(lg)
         n0 = len(loss_inputs)
         out = policy_update(run, r, *args)
-        logp, ref_logp, mask = loss_inputs[n0]  # the first micro-batch
-        m, rows = mask.bool(), logp.shape[0]
-        info.update(temperature=run.g.temperature, sampling_vs_train_logp=diff(logp[m], want[:rows][m]),
-                    sampling_vs_ref_logp=diff(ref_logp[m], want[:rows][m]),
-                    untempered_vs_sampling_logp=diff(at_one[:rows][m], want[:rows][m]))
+        logp, ref_logp, mask = loss_inputs[n0]  # the first micro-batch: its rows and columns as the loss got them
+        first = grpo.micro_batches(r.attn, run.micro)[0]
+        want, at_one = first.targets(want), first.targets(at_one)
+        m = mask.bool()
+        info.update(temperature=run.g.temperature, sampling_vs_train_logp=diff(logp[m], want[m]),
+                    sampling_vs_ref_logp=diff(ref_logp[m], want[m]), untempered_vs_sampling_logp=diff(at_one[m], want[m]))
         return out
 
     grpo.build_reference, grpo.build_rollout = build_reference_recorded, build_rollout_recorded
