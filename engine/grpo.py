@@ -545,7 +545,8 @@ def policy_update(run: Run, r: Rollouts, adv, old, refl, count: float) -> tuple[
             if it == 0 and r.rollout_logp is not None:
                 mismatch.append(rollout_mismatch(logp.detach(), m.targets(r.rollout_logp), mask))
     stats = dict(zip(stats_sum, torch.stack(list(stats_sum.values())).float().tolist()))  # one wait
-    return stats, {**(mismatch_metrics(torch.stack(mismatch)) if mismatch else {}),
+    cols = sum(len(m.rows) * (m.hi - m.lo) for m in micros)  # the train passes' tokens, padding included
+    return stats, {"train_padding_frac": _mean_all(1 - float(r.attn.sum()) / cols),**(mismatch_metrics(torch.stack(mismatch)) if mismatch else {}),
                    **(routing_metrics(torch.stack(routes), run.g.routing_replay == "r3") if routes else {})}
 
 

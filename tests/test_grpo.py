@@ -163,6 +163,8 @@ def test_the_routing_agreement_is_on_every_row(runs):
             assert row["routing_agree_choice"] == row["routing_agree_token"] == 1.0, row
             assert row["routing_live_agree_choice"] > 0.99 and row["routing_live_agree_token"] > 0.99, row
     assert not any(k.startswith("routing_") for info in runs["engine"] for row in info["rows"] for k in row)
+    for info in runs["local"] + runs["engine"]:  # packed train passes: the padding left is reported
+        assert all(0 <= row["train_padding_frac"] < 1 for row in info["rows"][1:]), info["rows"]
 
 
 def test_local_rollouts_finish_at_different_lengths_without_a_hang(runs):
