@@ -5,6 +5,7 @@
 # the table: medians over steps 2..N of each mode's step, policy (forward + backward + step) and ref times.
 #   bash docs/bench/replay_alternate.sh     (on the GPU machine, from the checkout, with .whl/ carried)
 # Files: $OUT/alt_<config>.jsonl (rows), $OUT/alternate.md (table).
+# SCRIPT=docs/bench/pack_alternate.py: the same with packing of the train passes switched instead (off: plain).
 set -u
 OUT=${OUT:-/tmp/replay_alt}; W=/tmp/ra; mkdir -p "$OUT" $W
 export TORCH_CUDA_ARCH_LIST=9.0 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
@@ -13,11 +14,12 @@ if ! python3 -c "import deepspeed" 2>/dev/null; then
   export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
 fi
 RECIPE=${RECIPE:-engine/recipes/grpo_2b6.yaml}
-python3 - "$RECIPE" $W/recipe.yaml <<'PY'
+python3 - "$RECIPE" $W/recipe.yaml "${REPLAY:-r3}" <<'PY'
 import sys, yaml
 r = yaml.safe_load(open(sys.argv[1]))
 g = r.setdefault("grpo", {})
-g.update(beta=0.04, kl="k3", rewards=[{"name": "numeric", "weight": 1.0, "which": "first"}], routing_replay="r3")
+g.update(beta=0.04, kl="k3", rewards=[{"name": "numeric", "weight": 1.0, "which": "first"}],
+         routing_replay=sys.argv[3])
 g["min_new_tokens"] = g.get("max_new_tokens", 8)
 g.pop("eval_path", None)
 r["checkpoint"] = {"every_steps": 0, "every_minutes": 0, "at_end": False}
@@ -29,7 +31,7 @@ port=29700
 for cfg in ${CONFIGS:-zero3_grpo zero2_grpo}; do
   t=$SECONDS; port=$((port + 1)); rm -rf $W/run_$cfg
   timeout -k 15 ${T_RUN:-200} python3 -m deepspeed.launcher.runner --master_port $port --num_gpus 1 \
-    docs/bench/replay_alternate.py --deepspeed_config ds_configs/$cfg.json --config $W/recipe.yaml --init_from $W/init \
+    ${SCRIPT:-docs/bench/replay_alternate.py} --deepspeed_config ds_configs/$cfg.json --config $W/recipe.yaml --init_from $W/init \
     --max_steps ${STEPS:-13} --run_dir $W/run_$cfg > $W/$cfg.log 2>&1
   echo "$cfg: exit $? in $((SECONDS - t))s $(grep -m1 -oE 'Error: .{0,160}' $W/$cfg.log)"
   cp $W/run_$cfg/metrics.jsonl "$OUT/alt_$cfg.jsonl" 2>/dev/null
@@ -44,18 +46,19 @@ for cfg in sys.argv[2:]:
         rows = [json.loads(l) for l in open(f"{out}/alt_{cfg}.jsonl")]
     except OSError:
         continue
-    rows = [r for r in rows if "replay_mode" in r and r["step"] >= 2]
+    rows = [r for r in rows if "mode" in r and r["step"] >= 2]
     med = {}
-    for mode in ("off", "r3"):
-        rs = [r for r in rows if r["replay_mode"] == mode]
+    modes = sorted({r["mode"] for r in rows}, key=lambda m: m not in ("off", "plain"))  # the baseline first
+    for mode in modes:
+        rs = [r for r in rows if r["mode"] == mode]
         if not rs:
             continue
         m = lambda k: statistics.median(r[k] for r in rs)
         med[mode] = m("step_s")
-        live = f"{m('routing_live_agree_choice'):.4f} / {m('routing_live_agree_token'):.4f}" if mode == "r3" else "-"
+        live = f"{m('routing_live_agree_choice'):.4f} / {m('routing_live_agree_token'):.4f}" if "routing_live_agree_choice" in rs[0] else "-"
         print(f"| {cfg} | {mode} | {len(rs)} | {m('step_s'):.3f} | {m('policy_s'):.3f} | {m('ref_s'):.3f} | {m('rollout_s'):.3f} | "
               f"{m('rollout_logp_diff_mean'):.4f} | {m('rollout_logp_diff_max'):.3f} | {m('rollout_kl_k3'):.2e} | "
               f"{m('routing_agree_choice'):.4f} / {m('routing_agree_token'):.4f} | {live} |")
     if len(med) == 2:
-        print(f"| {cfg} | r3 / off | | {med['r3'] / med['off']:.3f} | | | | | | | | |")
+        print(f"| {cfg} | {modes[1]} / {modes[0]} | | {med[modes[1]] / med[modes[0]]:.3f} | | | | | | | | |")
 PY
