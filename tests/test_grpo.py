@@ -554,7 +554,8 @@ def test_pipeline_config_is_refused_before_any_work(tmp_path, capfd, monkeypatch
 REPLAY_PROBE = ROOT / "tests" / "scripts" / "replay_probe.py"
 
 
-def replay_probe(pretrained, name: str, ranks: int, checkpointing: bool) -> list[dict]:
+def replay_probe(pretrained, name: str, ranks: int, checkpointing: bool, ep: int | None = None) -> list[dict]:
+    """tests/scripts/replay_probe.py on `ranks` ranks (ep: expert-parallel size instead of "auto")."""
     d = pretrained / name
     d.mkdir()
     recipe = GRPO_RECIPE.replace("PROMPTS", str(pretrained / "prompts.jsonl")).replace(
@@ -562,17 +563,23 @@ def replay_probe(pretrained, name: str, ranks: int, checkpointing: bool) -> list
     if checkpointing:
         recipe = recipe.replace("train: {", "train: {activation_checkpointing: true, ")
     (d / "grpo.yaml").write_text(recipe)
-    run_launcher(ranks, REPLAY_PROBE, "--out", d / "out", "--deepspeed_config", grpo_ds(d / "ds.json", True),
+    ds = grpo_ds(d / "ds.json", True)
+    if ep is not None:
+        cfg = json.loads(ds.read_text())
+        cfg["expert_parallel"]["autoep_size"] = ep
+        ds.write_text(json.dumps(cfg))
+    run_launcher(ranks, REPLAY_PROBE, "--out", d / "out", "--deepspeed_config", ds,
                  "--config", d / "grpo.yaml", "--init_from", pretrained / "hf", "--run_dir", d / "run", cwd=d)
     return [json.loads((d / "out" / f"rank{r}.json").read_text()) for r in range(ranks)]
 
 
 @pytest.fixture(scope="module")
 def replays(pretrained):
-    """tests/scripts/replay_probe.py on 1 rank, on 2 ranks (ZeRO-3, expert parallel 2), and on 2 ranks with
-    activation checkpointing: fp32, the same 8 sampled rollouts everywhere."""
+    """tests/scripts/replay_probe.py on 1 rank, on 2 ranks (ZeRO-3, expert parallel 2), on 2 ranks with activation
+    checkpointing, and on 4 ranks as expert parallel 2 x data parallel 2 (the real launcher): fp32, the same 8 sampled
+    rollouts everywhere."""
     return {"one": replay_probe(pretrained, "replay1", 1, False), "two": replay_probe(pretrained, "replay2", 2, False),
-            "ckpt": replay_probe(pretrained, "replay2c", 2, True)}
+            "ckpt": replay_probe(pretrained, "replay2c", 2, True), "four": replay_probe(pretrained, "replay4", 4, False, ep=2)}
 
 
 def test_replay_dispatches_every_token_to_the_decoders_experts(replays):
@@ -581,7 +588,8 @@ def test_replay_dispatches_every_token_to_the_decoders_experts(replays):
     no live router would choose (each id moved to the next expert), so the match is the replay, not agreement."""
     two = replays["two"]
     assert [r["ep_size"] for r in two] == [2, 2] and replays["one"][0]["ep_size"] == 1
-    for r in replays["one"] + two + replays["ckpt"]:
+    assert [r["ep_size"] for r in replays["four"]] == [2] * 4
+    for r in replays["one"] + two + replays["ckpt"] + replays["four"]:
         assert r["real_used_equal"] and r["foreign_used_equal"], r
         assert r["foreign_live_equal"] < 0.5, r  # the live routers would have chosen otherwise
         # In fp32 the live routers choose as the decoder did (8 rollouts decoded in two turns of 4 rows: each turn's
@@ -592,7 +600,8 @@ def test_replay_dispatches_every_token_to_the_decoders_experts(replays):
 def test_replayed_router_gradient_equals_the_hand_computed_one(replays):
     """The router still learns under replay: its gate weight's gradient (ZeRO-3's full gradient, averaged over
     ranks) is non-zero and equals the gradient of transformers' own model whose routers return the same ids with
-    the family's arithmetic; 1 rank and 2 ranks and activation checkpointing on/off give the same gradient."""
+    the family's arithmetic; 1 rank, 2 ranks, 4 ranks (EP 2 x DP 2) and activation checkpointing on/off give the same
+    gradient."""
     import torch
 
     def grads(r, key="grads"):
