@@ -70,20 +70,21 @@ def build_pretrained(tmp_path_factory):
     return tmp
 
 
-def grpo_ds(path, fp32: bool):
-    """The shipped GRPO DS config at micro-batch 4, no accumulation; fp32 drops "bf16"."""
+def grpo_ds(path, fp32: bool, accumulation: int = 1):
+    """The shipped GRPO DS config at micro-batch 4, no accumulation (or `accumulation`); fp32 drops "bf16"."""
     return write_ds(path, base=ZERO3_GRPO, drop=("bf16",) if fp32 else (),
-                    train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=1)
+                    train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=accumulation)
 
 
 def probe(pretrained, name: str, ranks: int, kind: str, fp32: bool, *extra, iterations: int = 1,
-          grpo: str = "") -> list[dict]:
+          grpo: str = "", accumulation: int = 1) -> list[dict]:
     d = pretrained / name
     d.mkdir()
     (d / "grpo.yaml").write_text(GRPO_RECIPE.replace("PROMPTS", str(pretrained / "prompts.jsonl"))
                                  .replace("rollout: KIND", f"rollout: {kind}, iterations: {iterations}{grpo}"))
-    run_launcher(ranks, PROBE, "--out", d / "out", *extra, "--deepspeed_config", grpo_ds(d / "ds.json", fp32),
-                 "--config", d / "grpo.yaml", "--init_from", pretrained / "hf", "--run_dir", d / "run", cwd=d)
+    run_launcher(ranks, PROBE, "--out", d / "out", *extra, "--deepspeed_config",
+                 grpo_ds(d / "ds.json", fp32, accumulation), "--config", d / "grpo.yaml", "--init_from", pretrained / "hf",
+                 "--run_dir", d / "run", cwd=d)
     return [json.loads((d / "out" / f"rank{r}.json").read_text()) for r in range(ranks)]
 
 
@@ -256,6 +257,31 @@ def test_skipping_the_old_logprob_forward_changes_no_number(runs, old_logps_run)
                 assert a[key] == pytest.approx(b[key], rel=0, abs=1e-6), (key, a[key], b[key])
             assert a["ratio_mean"] == 1.0  # one optimizer step per batch: the ratio is exactly 1
         assert new["rows"][-1]["eval_reward"] == old["rows"][-1]["eval_reward"]
+
+
+@pytest.fixture(scope="module")
+def pack_runs(pretrained):
+    """Two 2-rank local runs (fp32, 2 steps) with both prompts on each rank (micro-batch 4 x accumulation 2: each
+    rank's 8 rows are 4 two-token answers to the short, left-padded arithmetic prompt and 4 eight-token story
+    continuations): train passes packed (as shipped) and on consecutive full-width micro-batches (--no_pack)."""
+    return {"packed": probe(pretrained, "packed", 2, "local", True, grpo=LOCAL_GRPO, accumulation=2),
+            "plain": probe(pretrained, "unpacked", 2, "local", True, "--no_pack", grpo=LOCAL_GRPO, accumulation=2)}
+
+
+def test_packed_train_passes_train_the_same_policy_on_two_ranks(pack_runs):
+    """Packing (rows sorted by length, each micro-batch cut to its columns) changes no loss and no update: over two
+    steps on 2 ranks (ZeRO-3, EP 2, fp32) the loss rows and the trained policy's logits equal the unpacked run's,
+    while fewer padding slots went through the forwards."""
+    import torch
+
+    for new, old in zip(pack_runs["packed"], pack_runs["plain"]):
+        for a, b in zip(new["rows"][1:], old["rows"][1:]):
+            assert a["loss"] == pytest.approx(b["loss"], rel=0, abs=1e-6), (a["loss"], b["loss"])
+            assert a["reward"] == b["reward"] and a["generated_tokens"] == b["generated_tokens"]
+            assert a["train_padding_frac"] < b["train_padding_frac"], (a["train_padding_frac"], b["train_padding_frac"])
+        got, want = torch.tensor(new["policy_after"]), torch.tensor(old["policy_after"])
+        assert (got - want).abs().max() < 1e-4, (got - want).abs().max()
+        assert new["policy_after_vs_before"] > 100 * 1e-4  # the updates moved the policy far more than that
 
 
 def test_two_iterations_run_the_old_logprob_forward_on_one_rank(pretrained):

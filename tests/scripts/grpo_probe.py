@@ -14,6 +14,7 @@ its functions to record what the tests check, per rank, in OUT/rank{r}.json:
     step skipped the old-log-prob forward
 --copy_only: build the policy engine only (as train() does) and compare local_copy's logits with it.
 --force_old_logps: run the old-log-prob forward even with iterations 1 (the path before it was skipped).
+--no_pack: train on consecutive full-width micro-batches (engine/grpo.py micro_batches with pack=False).
 usage: deepspeed --num_gpus N tests/scripts/grpo_probe.py --out DIR [--copy_only] [--force_old_logps]
        --deepspeed_config ... [grpo args]
 """
@@ -124,7 +125,10 @@ def main() -> None:
     out = Path(sys.argv[sys.argv.index("--out") + 1])
     copy_only = "--copy_only" in sys.argv
     force_old = "--force_old_logps" in sys.argv
-    flags = ("--out", "--copy_only", "--force_old_logps")
+    if "--no_pack" in sys.argv:  # the train passes on consecutive full-width micro-batches, as before packing
+        micro_batches = grpo.micro_batches
+        grpo.micro_batches = lambda attn, micro, pack=True: micro_batches(attn, micro, pack=False)
+    flags = ("--out", "--copy_only", "--force_old_logps", "--no_pack")
     argv = [a for i, a in enumerate(sys.argv[1:]) if a not in flags and sys.argv[i] != "--out"]
     args = grpo.parse_args(argv)
     world = world_from_env()
@@ -235,7 +239,7 @@ def main() -> None:
     pol_after, ref_after = logits(policy, r), logits(ref, r)
     info.update(rows=rows, rollouts=rollouts,
                 ref_after_vs_before=diff(ref_after, seen["ref_before"]),
-                policy_after_vs_before=diff(pol_after, seen["policy_before"]),
+                policy_after_vs_before=diff(pol_after, seen["policy_before"]), policy_after=pol_after.tolist(),
                 ref_vs_policy_after=diff(ref_after, pol_after),
                 shards_after=shard_diff(policy, ref),
                 after=local_copy_check(policy, r))
