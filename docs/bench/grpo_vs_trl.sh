@@ -158,6 +158,7 @@ def engine_row(label, cfg, path):
             "rollout_s": col("rollout_s"), "median_rollout_s": med(col("rollout_s")),
             "decode_ms_per_step": med(dec) if any(d is not None for d in dec) else None,
             "rollout_tokens_per_s": med(col("rollout_tokens_per_s")), "train_s": med(col("train_s")),
+            "train_tokens_per_s": med(col("train_tokens_per_s")), "train_padding_frac": med(col("train_padding_frac")),
             "peak_mem_gib": max((x for x in col("peak_mem_gib") if x is not None), default=None),
             "response_len": col("response_len"), "reward": col("reward"), "kl": col("kl")}
 
@@ -192,13 +193,15 @@ with open(os.path.join(out, "grpo_vs_trl.jsonl"), "w") as f:
 
 fmt = lambda v, p=2: "-" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))  # noqa: E731
 head = ["run", "DS config", "steps", "median step s (2..N)", "rollout s", "rollout tok/s", "decode ms/step",
-        "peak GiB", "TRL / this"]
+        "train tok/s", "train padding %", "peak GiB", "TRL / this"]
 print("| " + " | ".join(head) + " |")
 print("|" + "---|" * len(head))
 for r in rows:
     print("| " + " | ".join([r["label"], str(r["ds_config"]), f"{r['steps']}{'' if r['complete'] else ' (cut)'}",
                             fmt(r.get("median_step_s")), fmt(r.get("median_rollout_s")),
                             fmt(r.get("rollout_tokens_per_s"), 0), fmt(r.get("decode_ms_per_step")),
+                            fmt(r.get("train_tokens_per_s"), 0),
+                            fmt(None if r.get("train_padding_frac") is None else 100 * r["train_padding_frac"], 1),
                             fmt(r.get("peak_mem_gib"), 1), fmt(r.get("trl_over_engine")) if r["system"] == "engine"
                             else "1.00"]) + " |")
 for r in rows:
