@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Issue 31's one-GPU figures for the families beyond DeepSeek-V3, in one device call: for each recipe (a published
-# shape truncated in depth: engine/recipes/mixtral_8x7b_l3.yaml, deepseek_v2_lite_l8.yaml, and Qwen3.5-35B-A3B at 4
-# layers, built below), bin/pretrain.py for
-# PT_STEPS (20) steps with ds_configs/zero2.json ("auto" batch), then bin/grpo.py for GRPO_STEPS (4) steps from a
-# random init of the same model (docs/bench/save_random_model.py) with ds_configs/zero3_grpo.json (grpo_2b6.yaml's grpo section, beta 0.04; the rollout path is what "auto"
-# picks for the family: the local decoder for mixtral, the engine for deepseek_v2), and a table of tokens/s, MFU,
-# peak memory, loss at the first and last step, the GRPO step and decode ms per step. MFU: flops_per_token below.
+# Issue 31's one-GPU figures for the families beyond DeepSeek-V3. For each model (a published shape truncated in
+# depth: engine/recipes/mixtral_8x7b_l3.yaml, deepseek_v2_lite_l8.yaml, and Qwen3.5-35B-A3B at 4 layers, built
+# below): bin/pretrain.py for PT_STEPS (20) steps with ds_configs/zero2.json ("auto" batch), then bin/grpo.py for
+# GRPO_STEPS (4) steps from a random init of the same model (docs/bench/save_random_model.py) with
+# ds_configs/zero3_grpo.json (grpo_2b6.yaml's grpo section, beta 0.04; the rollout path is what "auto" picks for the
+# family: the local decoder for mixtral, the engine for deepseek_v2 and qwen3_5), and a table of tokens/s, MFU (see
+# flops_per_token below), peak memory, loss at the first and last step, the GRPO step and decode ms per step.
 #   bash docs/bench/families_gpu.sh     (on the GPU machine, from the checkout, with .whl/ carried; about 4 minutes a
 #   family: split RECIPES over two 10-minute calls)
 # Files: $OUT/<recipe>_pretrain.jsonl, $OUT/<recipe>_grpo.jsonl (metrics rows), $OUT/families.md (table), logs.tgz.
