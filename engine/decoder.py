@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .export.read import AUTOEP_NAMES
+from .routing import ROUTE_DTYPE
 
 # transformers' generate swaps grouped_mm experts for batched_mm while decoding on GPUs. batched_mm copies the
 # top-k experts' weights of every token: with 64 sequences and top-4, 3 GB per MoE layer per decoded token on
@@ -345,7 +346,7 @@ class Decoder:
         experts = [layer.mlp.experts for layer in model.model.layers if hasattr(getattr(layer, "mlp", None), "experts")]
         if record_routes:
             k = config.num_experts_per_tok
-            self.routes = torch.zeros(batch_size, cache_len, len(experts), k, dtype=torch.int16, device=device)
+            self.routes = torch.zeros(batch_size, cache_len, len(experts), k, dtype=ROUTE_DTYPE, device=device)
             self.route_step = torch.zeros(len(experts), batch_size, k, dtype=torch.long, device=device)
             self._route_out = self.route_step  # where the experts write: the step buffer, or prefill's own tensor
             for slot, m in enumerate(experts):

@@ -12,7 +12,7 @@ import contextlib
 import os
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -395,6 +395,14 @@ class Rollouts:
     tree: object = None  # grpo.tree: the rollout's tree structure (engine/tree.py TreeInfo)
     rollout_logp: torch.Tensor | None = None  # (N, T-1): the decoder's log p of each response target (chains)
     routes: torch.Tensor | None = None  # (N, T, L, k): the decoder's expert ids per token and MoE layer
+    _micros: tuple | None = field(default=None, repr=False)  # (micro, micro_batches(attn, micro)), made once
+
+    def micro_batches(self, micro: int) -> list["Micro"]:
+        """This batch's packed training micro-batches (micro_batches), made once: the reference, old-log-prob and
+        policy passes all use them."""
+        if self._micros is None or self._micros[0] != micro:
+            self._micros = (micro, micro_batches(self.attn, micro))
+        return self._micros[1]
 
     def replay(self, m: "Micro", run: "Run") -> torch.Tensor | None:
         """The routes the policy's forwards replay for micro-batch `m` (None: its routers choose)."""
@@ -484,7 +492,7 @@ def batched_logps(engine, r: Rollouts, micro: int, temperature: float, run: Run 
     """(N, T-1) log-probs under `engine` at the sampling temperature, micro-batch by micro-batch, no grad. With
     `run`: the policy's, its routers replaying the rollout's routes when grpo.routing_replay is r3."""
     out = torch.zeros(r.attn.shape[0], r.attn.shape[1] - 1, dtype=torch.float32, device=r.attn.device)
-    for m in micro_batches(r.attn, micro):
+    for m in r.micro_batches(micro):
         with routed(run, r, m):
             out[m.rows, m.lo:m.hi - 1] = forward_logps(engine, m.tokens(r.ids), m.tokens(r.attn), temperature)[0].float()
     return out  # 0 where no micro-batch had a column: padding, never a response target
@@ -525,7 +533,7 @@ def policy_update(run: Run, r: Rollouts, adv, old, refl, count: float) -> tuple[
     stats_sum: dict[str, torch.Tensor] = {}
     mismatch = []  # the first pass's rollout/train log-prob differences (the decoder's log-probs, chains only)
     routes = []  # the first pass's routing agreement with the decoder (when it records expert choices)
-    micros = micro_batches(r.attn, run.micro)
+    micros = r.micro_batches(run.micro)
     for it in range(run.g.iterations):
         for m in micros:
             with routed(run, r, m, record=it == 0):  # held through backward: a checkpointed recompute replays too
@@ -546,7 +554,8 @@ def policy_update(run: Run, r: Rollouts, adv, old, refl, count: float) -> tuple[
                 mismatch.append(rollout_mismatch(logp.detach(), m.targets(r.rollout_logp), mask))
     stats = dict(zip(stats_sum, torch.stack(list(stats_sum.values())).float().tolist()))  # one wait
     cols = sum(len(m.rows) * (m.hi - m.lo) for m in micros)  # the train passes' tokens, padding included
-    return stats, {"train_padding_frac": _mean_all(1 - float(r.attn.sum()) / cols),**(mismatch_metrics(torch.stack(mismatch)) if mismatch else {}),
+    return stats, {"train_padding_frac": _mean_all(1 - float(r.attn.sum()) / cols),
+                   **(mismatch_metrics(torch.stack(mismatch)) if mismatch else {}),
                    **(routing_metrics(torch.stack(routes), run.g.routing_replay == "r3") if routes else {})}
 
 

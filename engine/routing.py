@@ -46,10 +46,6 @@ class Router:
             r._own_forward = r.forward
             r.forward = types.MethodType(_routed_forward, r)
 
-    @property
-    def top_k(self) -> int:
-        return self.layers[0].router.top_k
-
     @contextlib.contextmanager
     def use(self, routes: torch.Tensor | None, record: bool = False):
         """Within the block, forwards (and activation-checkpointing recomputes) replay `routes` ((B, S, L, k) for

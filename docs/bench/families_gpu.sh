@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 31's one-GPU figures for the families beyond DeepSeek-V3. For each model (a published shape truncated in
+# One-GPU figures for the model families beyond DeepSeek-V3. For each model (a published shape truncated in
 # depth: engine/recipes/mixtral_8x7b_l3.yaml, deepseek_v2_lite_l8.yaml, and Qwen3.5-35B-A3B at 4 layers, built
 # below): bin/pretrain.py for PT_STEPS (20) steps with ds_configs/zero2.json ("auto" batch), then bin/grpo.py for
 # GRPO_STEPS (4) steps from a random init of the same model (docs/bench/save_random_model.py) with

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Routing replay's step-time cost on one H200 (issue 30: r3 <= 3% slower), one device call: docs/bench/replay_alternate.py
+# Routing replay's step-time cost on one H200, one device call: docs/bench/replay_alternate.py
 # (bin/grpo.py with replay off on odd steps and r3 on even ones, one process) on grpo_vs_trl.sh's workload (grpo_2b6
 # random init, 8 prompts x G 8 x 256 new tokens forced, beta 0.04 k3), ZeRO-3 then ZeRO-2, STEPS (13) steps each;
 # the table: medians over steps 2..N of each mode's step, policy (forward + backward + step) and ref times.

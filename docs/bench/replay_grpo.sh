@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# grpo.routing_replay on one H200, one device call (issue 30's must-show 1): docs/bench/grpo_vs_trl.sh's engine runs
+# grpo.routing_replay on one H200, one device call: docs/bench/grpo_vs_trl.sh's engine runs
 # (8 prompts x G 8 x 256 new tokens forced, beta 0.04 k3, grpo_2b6 random init, bf16) with routing replay off and r3,
 # ZeRO-3 then ZeRO-2, from one saved init; and bin/decode_bench.py with and without the decoder recording expert ids
 # (the recording's cost per decode step; GRPO's local rollouts always record).
