@@ -16,7 +16,8 @@
 #      compares at the tokens every run reached).
 #   4. docs/bench/grpo_task_table.py: the tables (before/after at equal tokens, curves, tokens and wall per step).
 # Files back in $OUT (8 at most): summary.md, grpo_metrics.jsonl (every run's metrics rows, tagged), pretrain_evals.jsonl,
-# pretrain_metrics.jsonl, pretrain_selected.json, decode_tree.jsonl, logs.tgz.
+# pretrain_selected.json, decode_tree.jsonl, logs.tgz (with pretrain_metrics.jsonl), init_hf.tgz.00, .01 (the selected
+# model, when pretrained here).
 # Switches (environment): OUT=/tmp/grpo_task_out BUDGET_S=540 TARGET=0.30 PT_MAX_STEPS=800 PT_EVERY=25 SEEDS="1 2 3"
 #   VARIANTS="plain curriculum tree tree_curriculum" TOKENS=<recipe's> GRPO_MAX_STEPS=<recipe's> SKIP_DECODE_BENCH=1
 #   PT_RECIPE=engine/recipes/arith_small.yaml PT_DS=ds_configs/zero3.json GRPO_DS=ds_configs/zero2_grpo.json
@@ -164,5 +165,11 @@ for lr in $LR_LIST; do
     --selected "$OUT/pretrain_selected.json" ${TOKENS:+--budget $TOKENS} 2>&1 | tee -a "$OUT/summary.md"
 done
 echo "total: $((SECONDS - T0))s"
+[ "${SUMMARY_ONLY:-0}" != 1 ] && mv "$OUT/pretrain_metrics.jsonl" "$LOGS/" 2>/dev/null  # in logs.tgz: 8 files come back
 [ "${SUMMARY_ONLY:-0}" != 1 ] && tar czf "$OUT/logs.tgz" -C "$LOGS" . "$W/recipes" 2>/dev/null
+# the starting model (fp32, ~17 MiB: in 15 MB pieces, since a device call returns files of at most 16 MiB), so a
+# later call can skip pretraining: cat init_hf.tgz.* | tar xz; INIT_FROM=init_hf
+if [ "${SUMMARY_ONLY:-0}" != 1 ] && [ -z "${INIT_FROM:-}" ] && [ -f "$W/init_hf/config.json" ]; then
+  tar czf - -C "$W" init_hf | split -b 15000000 -d - "$OUT/init_hf.tgz."
+fi
 exit 0
