@@ -192,17 +192,19 @@ def main(argv=None) -> int:
         print(f"| {t:.0f} | " + " | ".join(cells) + " |")
     print()
 
-    if p is not None and mean(p["after"]) <= mean(p["before"]):
+    below = p is not None and mean(p["after"]) <= mean(p["before"])
+    if below:
         print(f"Tokens to reach plain GRPO's final accuracy: not applicable, plain GRPO ended at {pct(mean(p['after']))}%, "
               f"below the pretrained model's {pct(mean(p['before']))}% (every run starts above it).\n")
     if p is not None:
         target = mean(p["after"])
         plain_tokens = mean([tokens_after(k) for k in runs if k[0] == "plain"])
+        points = sorted({t for r in runs.values() for t, _, _ in r["evals"]})
+    if p is not None and not below:
         print(f"### Tokens to reach plain GRPO's final mean accuracy ({pct(target)}%, at {plain_tokens:.0f} tokens)\n")
         print("| variant | first point of the mean curve at or above it (tokens) | share of plain's tokens | "
               "per seed (tokens of the first eval at or above it) |")
         print("|---|---|---|---|")
-        points = sorted({t for r in runs.values() for t, _, _ in r["evals"]})
         for v in variants:
             ks = sorted(k for k in runs if k[0] == v)
             hit = next((t for t in points if t <= top + 1e-6 and
@@ -214,6 +216,7 @@ def main(argv=None) -> int:
             share = "not reached" if hit is None else f"{hit / plain_tokens:.0%}"
             print(f"| {NAME[v]} | {'-' if hit is None else f'{hit:.0f}'} | {share} | {', '.join(per)} |")
         print()
+    if p is not None:
         gain = mean(p["gain"])
         print(f"Goal 1 (plain GRPO raises held-out accuracy by >= 10 points): mean gain {pct(gain, True)} points -> "
               f"{'met' if gain is not None and gain >= 0.10 else 'NOT met'}")
