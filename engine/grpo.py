@@ -664,6 +664,9 @@ def metrics_row(run: Run, r: Rollouts, scores, reward, stats: dict, phases: dict
            **{k: _mean_all(v / n_micro) for k, v in stats.items()}}
     if getattr(run.rollout, "decode_steps", 0):
         row["decode_ms_per_step"] = 1000 * run.rollout.decode_s / run.rollout.decode_steps
+    elif r.tree is None:  # another rollout engine: its whole generate call per step of the longest completion
+        longest = _max_all(r.attn[:, r.p_len:].sum(1).max())
+        row["rollout_ms_per_step"] = 1000 * r.seconds / max(longest, 1.0)
     if hasattr(run.rollout, "memory_bytes"):
         row["decoder_mem_gib"] = round(run.rollout.memory_bytes() / 2**30, 3)
     row["update_skipped"] = int(skipped)
@@ -822,6 +825,14 @@ def _sum_all(x) -> float:
     if dist.is_initialized():
         t = t.to(_device())
         dist.all_reduce(t)
+    return t.item()
+
+
+def _max_all(x) -> float:
+    t = torch.tensor(float(x), dtype=torch.float64)
+    if dist.is_initialized():
+        t = t.to(_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
 

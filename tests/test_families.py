@@ -340,3 +340,5 @@ def test_grpo_on_gated_deltanet_generates_through_the_engine(tmp_path, capfd, mo
     rows = [r for r in read_metrics(tmp_path / "run") if "generated_tokens" in r]
     assert [r["step"] for r in rows] == [1, 2] and all(r["generated_tokens"] > 0 for r in rows)
     assert not any("decode_ms_per_step" in r for r in rows)  # the engine generated, not the local decoder
+    for r in rows:  # its generate call's time per step of the longest completion (between the mean and max_new_tokens)
+        assert 1000 * r["rollout_s"] / 4 - 1e-6 <= r["rollout_ms_per_step"] <= 1000 * r["rollout_s"] / r["response_len"] + 1e-6, r

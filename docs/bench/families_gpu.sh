@@ -8,6 +8,7 @@
 # flops_per_token below), peak memory, loss at the first and last step, the GRPO step and decode ms per step.
 #   bash docs/bench/families_gpu.sh     (on the GPU machine, from the checkout, with .whl/ carried; about 4 minutes a
 #   family: split RECIPES over two 10-minute calls)
+# Switches: RECIPES, PT_STEPS, GRPO_STEPS, T_PT / T_GRPO (timeouts, s), PT_DS (pretraining DeepSpeed config), SKIP_GRPO=1.
 # Files: $OUT/<recipe>_pretrain.jsonl, $OUT/<recipe>_grpo.jsonl (metrics rows), $OUT/families.md (table), logs.tgz.
 # CPU smoke test: RECIPES="tiny_mixtral tiny_deepseek_v2 qwen3_5_35b_a3b_l4" PT_STEPS=4 GRPO_STEPS=1 MAX_NEW=8 \
 #   QWEN_OVERRIDES='{"hidden_size": 64, "num_experts": 8, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
@@ -27,6 +28,7 @@ port=29800
 # DeltaNet + 1 full attention), random init saved to $W and trained through model.init_from (the recipe fields cannot
 # say head_dim 256 or the linear layers' own head counts). QWEN_OVERRIDES (JSON) shrinks it for a CPU smoke test.
 make_qwen() {
+  [ -f "$W/qwen3_5_l4/config.json" ] && [ -f "$W/qwen3_5_35b_a3b_l4.yaml" ] && [ -z "${QWEN_OVERRIDES:-}" ] && return  # built by an earlier run of this machine
   python3 - "$W/qwen3_5_l4" "$W/qwen3_5_35b_a3b_l4.yaml" "${QWEN_OVERRIDES:-}" <<'PY'
 import json, sys, torch, yaml
 from transformers import AutoModelForCausalLM
@@ -59,12 +61,13 @@ r["checkpoint"] = {"every_steps": 0, "every_minutes": 0, "at_end": False}
 yaml.safe_dump(r, open(sys.argv[2], "w"), sort_keys=False)
 PY
   t=$SECONDS; port=$((port + 1)); rm -rf $W/run_$rec $W/grpo_run_$rec
-  timeout -k 15 ${T_PT:-240} $DS --master_port $port --num_gpus ${GPUS:-1} bin/pretrain.py --deepspeed_config ds_configs/zero2.json \
+  timeout -k 15 ${T_PT:-240} $DS --master_port $port --num_gpus ${GPUS:-1} bin/pretrain.py --deepspeed_config ${PT_DS:-ds_configs/zero2.json} \
     --config $recipe --max_steps ${PT_STEPS:-20} --run_dir $W/run_$rec > $W/logs/pretrain_$rec.log 2>&1
   echo "$rec pretrain: exit $? in $((SECONDS - t))s $(grep -m1 -oE 'OutOfMemoryError|Error: .{0,160}|error: .{0,200}' $W/logs/pretrain_$rec.log)"
   cp $W/run_$rec/metrics.jsonl "$OUT/${rec}_pretrain.jsonl" 2>/dev/null
   # GRPO from a random init of the same model (its speed does not depend on the weights; a 4.6B run's checkpoint with
   # fp32 Adam states would not fit this machine's disk)
+  [ "${SKIP_GRPO:-0}" = 1 ] && continue
   init=$W/init_$rec
   if [ "$rec" = qwen3_5_35b_a3b_l4 ]; then init=$W/qwen3_5_l4; else
     python3 docs/bench/save_random_model.py --config $recipe --out $init 2>&1 | tail -1; fi
@@ -120,9 +123,10 @@ for rec in sys.argv[2:]:
     med = lambda xs: statistics.median(xs[1:] if len(xs) > 1 else xs) if xs else float("nan")
     mfu = med([r["tokens_per_s_per_rank"] for r in pt]) * flops_per_token(rec) / 989e12 if pt else None
     dec = [r["decode_ms_per_step"] for r in g if "decode_ms_per_step" in r]
+    eng = [r["rollout_ms_per_step"] for r in g if "rollout_ms_per_step" in r]  # grpo.rollout engine: generate's ms per step
     print(f"| {rec} | {len(pt)} | {med([r['tokens_per_s'] for r in pt]):.0f} | "
           f"{'-' if mfu is None else f'{100 * mfu:.1f}%'} | {max((r.get('peak_mem_gib') or 0) for r in pt) if pt else '-'} | "
           f"{pt[0]['loss']:.3f} -> {pt[-1]['loss']:.3f} | {len(g)} | {med([r['step_s'] for r in g]):.2f} | "
-          f"{med(dec):.2f} | {'local' if dec else 'engine'} |" if pt else f"| {rec} | 0 | - | - | - | - | {len(g)} | - | - | - |")
+          f"{med(dec or eng):.2f} | {'local' if dec else 'engine'} |" if pt else f"| {rec} | 0 | - | - | - | - | {len(g)} | - | - | - |")
 PY
 tar czf "$OUT/logs.tgz" -C $W logs
