@@ -18,6 +18,9 @@ The memory model is analytic, calibrated on peaks measured on one H200 (`max_mem
                  seq_len x hidden x (layers x CKPT + A)        with it (each layer keeps its input; one layer at a
                                                                time is recomputed in full)
     A          = ACT[family] x max(1, MoE width / calibrated) + (EP_EXTRA_PER_K x top-k if autoep_size > 1)
+    + per Gated DeltaNet layer (Qwen3.5-MoE's linear attention), seq_len x (GDN_BYTES_PER_VALUE x value width -
+      CALIBRATED_ATTN_BYTES x hidden): what it keeps beyond the attention of the calibration rows (with activation
+      checkpointing once: one layer is recomputed at a time)
 """
 from __future__ import annotations
 
@@ -67,10 +70,23 @@ CKPT = 3.09
 # +47.7 bytes per (token x hidden x layer) at top-4 routing, scaled by experts_per_token / 4 (one buffer row per
 # routed copy of a token). Early code and an approximate figure: it errs towards smaller batches.
 EP_EXTRA_PER_K = 47.7 / 4
-# The rows are all one layer shape: top-4 of 1024-wide experts + 2 shared, hidden 2048, i.e. a MoE width per token of
-# (4 + 2) x 1024 / 2048 = 3 hidden sizes. A wider one (deepseek_16b: (6 + 2) x 1408 / 2048 = 5.5) scales ACT up by
-# the ratio, as if every activation grew with it (the attention's do not: safe side); narrower ones are not scaled.
-CALIBRATED_MOE_WIDTH = 3.0
+# The rows are all one layer shape: top-4 of 1024-wide experts + 2 shared, hidden 2048. The MoE block's activations per
+# token, in hidden sizes: each of the k routed copies of a token (its dispatched input and its output: 2 x hidden)
+# through its expert (gate, up and their product: 3 x expert width), and the shared experts (3 x their width):
+# (4 x (2 x 2048 + 3 x 1024) + 2 x 3 x 1024) / 2048 = 17.0. A larger one scales ACT up by the ratio, as if every
+# activation grew with it (the attention's do not: safe side); smaller ones are not scaled. (Many narrow experts
+# at a large k, as Qwen3.5-MoE's top-8 of 512-wide, are larger here than their expert width alone says.) Checked
+# against one H200 (docs/bench/families/, zero2.json at micro 8): Mixtral-8x7B's shape at 3 layers predicted 93.2 GiB,
+# measured 92.0; DeepSeek-V2-Lite's at 8 layers 102.2, measured 97.4.
+CALIBRATED_MOE_WIDTH = 17.0
+# Gated DeltaNet through transformers' PyTorch path (no flash-linear-attention): bytes kept for backward per token,
+# measured on the CPU with saved-tensor hooks (parameters excluded, bf16; the same per token at seq 256 and 1024):
+# 89-94 per (token x value width, linear_num_value_heads x linear_value_head_dim) at value widths 2048 and 4096,
+# hidden 1024 and 2048. The attention of the calibration rows (deepseek_2b6's MLA) keeps 36.1 per (token x hidden),
+# inside ACT already. Qwen3.5-35B-A3B's shape at 4 layers (3 of them Gated DeltaNet) ran out of memory at micro 32
+# on one H200 when this term was missing (more than 137.7 GiB allocated; predicted 106.3).
+GDN_BYTES_PER_VALUE = 94.0
+CALIBRATED_ATTN_BYTES = 36.1
 
 
 def param_counts(m: ModelConfig) -> tuple[int, int]:
@@ -184,14 +200,35 @@ def head_gib(recipe: Recipe, micro: int) -> float:
     return max(0.0, head(m.vocab_size) - head(CALIBRATED_VOCAB)) / GIB
 
 
+def moe_width(m: ModelConfig) -> float:
+    """The MoE block's activations per token in hidden sizes (see CALIBRATED_MOE_WIDTH)."""
+    shared = m.num_shared_experts if m.arch in ("deepseek_v3", "deepseek_v2", "qwen3_5_moe") else 0
+    h, w = m.hidden_size, m.moe_intermediate_size
+    return (m.experts_per_token * (2 * h + 3 * w) + shared * 3 * w) / h
+
+
+def linear_attention(m: ModelConfig) -> tuple[int, int]:
+    """(Gated DeltaNet layers, their value width) of the model: (0, 0) for the families without linear attention."""
+    if m.arch != "qwen3_5_moe":
+        return 0, 0
+    from transformers import AutoConfig
+
+    from .model import make_hf_config
+
+    cfg = AutoConfig.from_pretrained(m.init_from) if m.init_from else make_hf_config(m)
+    n = sum(t == "linear_attention" for t in (getattr(cfg, "layer_types", None) or []))
+    return n, (cfg.linear_num_value_heads * cfg.linear_value_head_dim if n else 0)
+
+
 def per_sample_gib(cfg: dict, recipe: Recipe, device: str) -> float:
     m, seq = recipe.model, recipe.data.seq_len
-    shared = m.num_shared_experts if m.arch in ("deepseek_v3", "deepseek_v2", "qwen3_5_moe") else 0
-    width = (m.experts_per_token + shared) * m.moe_intermediate_size / m.hidden_size
-    act = ACT[family(cfg, recipe, device)] * max(1.0, width / CALIBRATED_MOE_WIDTH)
+    act = ACT[family(cfg, recipe, device)] * max(1.0, moe_width(m) / CALIBRATED_MOE_WIDTH)
     act += EP_EXTRA_PER_K * m.experts_per_token if _ep(cfg) > 1 else 0.0
     per_token_hidden = (m.num_layers * CKPT + act) if recipe.train.activation_checkpointing else m.num_layers * act
-    return seq * m.hidden_size * per_token_hidden / GIB
+    gdn_layers, value_width = linear_attention(m)
+    gdn = max(0.0, GDN_BYTES_PER_VALUE * value_width - CALIBRATED_ATTN_BYTES * m.hidden_size)  # bytes per token
+    gdn *= min(gdn_layers, 1) if recipe.train.activation_checkpointing else gdn_layers
+    return seq * (m.hidden_size * per_token_hidden + gdn) / GIB
 
 
 def predict_peak_gib(cfg: dict, recipe: Recipe, dp: int, micro: int, device: str = "cuda") -> float:
