@@ -316,26 +316,40 @@ class AutoBatch:
                      f"GPU (\"auto\": {'; '.join(why)})")
         return []
 
+    def candidates(self) -> tuple[int, ...]:
+        return CANDIDATES
+
+    def cpu_micro(self) -> tuple[int, str]:
+        return CPU_MICRO, "the CPU's fixed value"
+
+    def peak_gib(self, cfg: dict, recipe: Recipe, dp: int, micro: int, device: str) -> float:
+        return predict_peak_gib(cfg, recipe, dp, micro, device)
+
     def pick_micro(self, cfg: dict, recipe: Recipe, dp: int, device: str) -> tuple[int, str, str | None]:
         """(micro-batch, why, problem): the largest candidate whose predicted peak fits; problem if none does."""
         if device == "cpu" or self.memory_gib is None:
-            return CPU_MICRO, "the CPU's fixed value", None
+            return (*self.cpu_micro(), None)
         usable = USABLE_FRACTION * self.memory_gib - MARGIN_GIB
-        peaks = {m: predict_peak_gib(cfg, recipe, dp, m, device) for m in CANDIDATES}
-        fits = [m for m in CANDIDATES if peaks[m] <= usable]
+        cands = self.candidates()
+        peaks = {m: self.peak_gib(cfg, recipe, dp, m, device) for m in cands}
+        fits = [m for m in cands if peaks[m] <= usable]
         where = (f"{usable:.1f} GiB usable ({USABLE_FRACTION:.0%} of {self.memory_gib:.1f} GiB less "
                  f"{MARGIN_GIB:g} GiB)")
         if fits:
             m = fits[0]
-            bigger = [c for c in CANDIDATES if c > m]
+            bigger = [c for c in cands if c > m]
             nxt = f"; {bigger[-1]} would need {peaks[bigger[-1]]:.1f}" if bigger else ""
             return m, f"predicted peak {peaks[m]:.1f} GiB of {where}{nxt}", None
         states = states_gib(cfg, recipe, dp)
+        smallest = cands[-1]
         return 1, "", (f'train_micro_batch_size_per_gpu "auto": nothing fits this device: predicted peak '
-                       f"{peaks[1]:.1f} GiB at micro-batch 1 (weights, gradients and optimizer state alone "
-                       f"{states:.1f} GiB per rank on {dp} data-parallel rank{'s' if dp > 1 else ''}) against "
-                       f"{where}; use more GPUs (ZeRO-3 splits the states), ds_configs/zero3_offload.json or "
-                       f"zero3_bf16_states.json, or write a number to try anyway")
+                       f"{peaks[smallest]:.1f} GiB at micro-batch {smallest} (weights, gradients and optimizer state "
+                       f"alone {states:.1f} GiB per rank on {dp} data-parallel rank{'s' if dp > 1 else ''}"
+                       f"{self.beside()}) against {where}; use more GPUs (ZeRO-3 splits the states), "
+                       f"ds_configs/zero3_offload.json or zero3_bf16_states.json, or write a number to try anyway")
+
+    def beside(self) -> str:
+        return ""
 
     def pick_accum(self, recipe: Recipe, micro: int, device: str) -> tuple[int, str]:
         seq = recipe.data.seq_len
@@ -348,3 +362,44 @@ class AutoBatch:
             what = f"train.tokens_per_step_per_gpu {target}"
         accum = max(1, math.floor(target / (micro * seq) + 0.5))
         return accum, f"{what} / ({micro} x {seq})"
+
+
+@dataclass
+class GRPOAutoBatch(AutoBatch):
+    """"auto" for bin/grpo.py. The rollout batch per GPU (`sequences`: prompts x completions) is the recipe's; the
+    micro-batch is the largest candidate dividing it whose predicted peak fits, for training rows of `seq_len`
+    tokens (the longest prompt + grpo.max_new_tokens) and with `extra_gib` beside the policy (the reference policy's
+    weights and the rollout decoder's copy and KV cache); the accumulation is sequences / micro-batch. GRPO does not
+    compile the policy, so its activations follow the eager calibration."""
+    sequences: int = SEQUENCES_PER_STEP
+    seq_len: int = 1
+    extra_gib: float = 0.0
+    what: str = ""  # how `sequences` was set, for the batch line
+
+    def candidates(self) -> tuple[int, ...]:
+        return tuple(m for m in CANDIDATES if self.sequences % m == 0)  # 1 always divides
+
+    def cpu_micro(self) -> tuple[int, str]:
+        m = next(c for c in self.candidates() if c <= CPU_MICRO)
+        return m, f"the CPU's: the largest of {', '.join(map(str, CANDIDATES))} up to {CPU_MICRO} dividing it"
+
+    def train_recipe(self, recipe: Recipe) -> Recipe:
+        from dataclasses import replace
+
+        return replace(recipe, data=replace(recipe.data, seq_len=self.seq_len),
+                       train=replace(recipe.train, compile=False))
+
+    def peak_gib(self, cfg: dict, recipe: Recipe, dp: int, micro: int, device: str) -> float:
+        return predict_peak_gib(cfg, self.train_recipe(recipe), dp, micro, device) + self.extra_gib
+
+    def beside(self) -> str:
+        return f", the reference policy and the rollout decoder {self.extra_gib:.1f} GiB"
+
+    def pick_micro(self, cfg: dict, recipe: Recipe, dp: int, device: str) -> tuple[int, str, str | None]:
+        micro, why, problem = super().pick_micro(cfg, recipe, dp, device)
+        if not problem and device != "cpu" and self.memory_gib is not None:
+            why = f"rows of up to {self.seq_len} tokens, {why} (the reference and the decoder {self.extra_gib:.1f} GiB)"
+        return micro, why, problem
+
+    def pick_accum(self, recipe: Recipe, micro: int, device: str) -> tuple[int, str]:
+        return max(1, self.sequences // micro), f"{self.sequences} sequences per step per GPU ({self.what}) / {micro}"

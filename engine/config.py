@@ -224,6 +224,11 @@ class GRPOConfig:
     eval_path: str | None = None
     """Held-out prompts (jsonl with prompt/answer), scored greedily at eval_every steps."""
     eval_every: int = 10
+    prompts_per_step_per_gpu: int | None = None
+    """Prompts each GPU samples a step (x group_size completions each: the rollout batch per GPU). With the DS
+    config's batch "auto" (ds_configs/zero2.json, zero3.json) the micro-batch is fitted to the device's memory and
+    the accumulation makes up this batch; null there: 64 // group_size prompts (64 sequences). With numbers in the
+    DS config the batch is micro x accumulation sequences, and this, if set, must agree with it."""
     max_generated_tokens: int | None = None
     """Stop after the step at which the run's generated tokens (the metrics' `generated_tokens`, summed over steps
     and ranks) reach this, even before train.max_steps; that step is evaluated and saved (checkpoint.at_end) as a
@@ -474,6 +479,9 @@ def validate(r: Recipe) -> list[str]:
     if not 0 < g.top_p <= 1:
         p.append(f"grpo.top_p ({g.top_p}) must be in (0, 1]: the probability mass of the nucleus sampled from "
                  "(1.0: the whole distribution)")
+    if g.prompts_per_step_per_gpu is not None and g.prompts_per_step_per_gpu < 1:
+        p.append(f"grpo.prompts_per_step_per_gpu ({g.prompts_per_step_per_gpu}) must be >= 1 (or null: 64 sequences "
+                 "per GPU with an \"auto\" batch, micro x accumulation with numbers in the DS config)")
     if g.max_generated_tokens is not None and g.max_generated_tokens < 1:
         p.append(f"grpo.max_generated_tokens ({g.max_generated_tokens}) must be >= 1 (or null: stop at "
                  "train.max_steps only)")

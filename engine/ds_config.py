@@ -6,7 +6,9 @@ The file goes to DeepSpeed as written. The only values the engine fills in are o
                                            world size and fits in one node (all-to-all stays intra-node)
   train_micro_batch_size_per_gpu = "auto"
   gradient_accumulation_steps = "auto"  -> from the device's memory and the recipe (engine/auto_batch.py,
-                                           docs/configs.md); bin/pretrain.py and bin/bench.py only
+                                           docs/configs.md); bin/pretrain.py, bin/bench.py, and
+                                           bin/grpo.py (the micro-batch fitted to the device, the
+                                           accumulation making up the rollout batch: engine/grpo.py)
   train_batch_size = "auto"             -> micro_batch x grad_accum x data-parallel world size
   optimizer.params.lr = "auto"          -> the recipe's train.lr (the peak of its warmup + cosine schedule)
   expert_parallel.combine_impl = "auto" -> "fused_weighted_sum" (AutoEP's Triton kernel for the top-k weighted
@@ -164,8 +166,8 @@ def resolve_batch_size(cfg: dict, world_size: int, stages: int, recipe: Recipe |
     if autos:
         keys = " and ".join(f'{k} "auto"' for k in autos)
         if auto_batch is None or recipe is None:
-            return [f"{keys}: resolved by bin/pretrain.py and bin/bench.py only (from the device's memory); write a "
-                    "number here (bin/grpo.py: ds_configs/zero3_grpo.json has 16 x 4)"]
+            return [f"{keys}: resolved by bin/pretrain.py, bin/grpo.py and bin/bench.py only (from the device's "
+                    "memory); write a number here"]
         if pipe:
             return [f"{keys}: not supported with a pipeline section (the memory model covers ZeRO without a "
                     "pipeline); write a number (ds_configs/pipe.json has 4 x 4)"]

@@ -22,11 +22,12 @@ import torch.distributed as dist
 from . import checkpoint, curriculum
 from .config import ConfigError, GRPOConfig, Recipe, load_recipe, model_from_hf_dir
 from .data import load_tokenizer
-from .ds_config import read_ds_config, resolve_ds_config, zero_stage
+from .auto_batch import SEQUENCES_PER_STEP, GRPOAutoBatch
+from .ds_config import BATCH_KEYS, read_ds_config, resolve_ds_config, zero_stage
 from .grpo_math import GRPOLossConfig, group_advantages, keep_mask, kl_k3, policy_loss
 from .metrics import Metrics, print0
 from .model import build_model, make_hf_config
-from .pretrain import forget_zero3_for_transformers, peak_memory_gib, report_error
+from .pretrain import check_ranks_agree, forget_zero3_for_transformers, peak_memory_gib, report_error
 from .parallel import World, build_engine, device_kind, init_distributed, model_dtype, world_from_env
 from .rewards import build_rewards
 from .routing import Router, agreement, has_moe
@@ -138,6 +139,21 @@ def decoder_fit_problem(hf_config, dtype: torch.dtype, batch: int, cache_len: in
     more than half of a device's memory next to the training state, or None when it fits."""
     from transformers import AutoModelForCausalLM
 
+    weights, cache = decoder_bytes(hf_config, dtype, batch, cache_len)
+    if weights + cache <= device_bytes / 2:
+        return None
+    gib = 2**30
+    return (f"grpo.rollout: local keeps a whole copy of the model on every device ({weights / gib:.1f} GiB of weights "
+            f"+ {cache / gib:.1f} GiB of KV cache for {batch} sequences x {cache_len} slots), more than half of the "
+            f"device's {device_bytes / gib:.0f} GiB; set grpo.rollout: engine (generation through the ZeRO-3 engine, "
+            "for models that do not fit one device) or use fewer sequences per rank")
+
+
+def decoder_bytes(hf_config, dtype: torch.dtype, batch: int, cache_len: int) -> tuple[int, int]:
+    """(weights, KV cache) of the local rollout decoder, bytes: a whole copy of the model, and a cache of `batch`
+    sequences x `cache_len` slots."""
+    from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
         n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf_config).parameters())
     size = torch.empty((), dtype=dtype).element_size()
@@ -146,15 +162,7 @@ def decoder_fit_problem(hf_config, dtype: torch.dtype, batch: int, cache_len: in
     else:
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         per_token = 2 * hf_config.num_key_value_heads * head_dim
-    weights = n_params * size
-    cache = hf_config.num_hidden_layers * batch * cache_len * per_token * size
-    if weights + cache <= device_bytes / 2:
-        return None
-    gib = 2**30
-    return (f"grpo.rollout: local keeps a whole copy of the model on every device ({weights / gib:.1f} GiB of weights "
-            f"+ {cache / gib:.1f} GiB of KV cache for {batch} sequences x {cache_len} slots), more than half of the "
-            f"device's {device_bytes / gib:.0f} GiB; set grpo.rollout: engine (generation through the ZeRO-3 engine, "
-            "for models that do not fit one device) or use fewer sequences per rank")
+    return n_params * size, hf_config.num_hidden_layers * batch * cache_len * per_token * size
 
 
 DECODER_MODEL_TYPES = ("deepseek_v3", "qwen3_moe", "mixtral")  # the families the local rollout decoder takes
@@ -189,18 +197,31 @@ def preflight(args, world: World):
     if args.resume:
         o["resume"] = True
     recipe = load_recipe(args.config, o)
-    ds = resolve_ds_config(read_ds_config(args.deepspeed_config), recipe, world.size, world.local_size,
-                           where=f"DeepSpeed config {args.deepspeed_config}", device=device_kind())
+    raw = read_ds_config(args.deepspeed_config)
+    where = f"DeepSpeed config {args.deepspeed_config}"
     g = recipe.grpo
-    per_rank = ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
+    batch = grpo_batch(raw, g, where)  # (sequences per GPU, how) with an "auto" batch; None: the file's numbers
+    if batch is None:
+        ds = resolve_ds_config(raw, recipe, world.size, world.local_size, where=where, device=device_kind())
+        per_rank = ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
+    else:  # resolved below, once the model and the prompts are known; the rest of the file is checked now
+        resolve_ds_config({**raw, BATCH_KEYS[0]: 1, BATCH_KEYS[1]: batch[0]}, recipe, world.size, world.local_size,
+                          where=where, device=device_kind())
+        ds, per_rank = None, batch[0]
     problems = loss_config(g).validate()
+    if batch is None and g.prompts_per_step_per_gpu is not None and \
+            g.prompts_per_step_per_gpu * group_of(g) != per_rank:
+        problems.append(f"grpo.prompts_per_step_per_gpu ({g.prompts_per_step_per_gpu}) x "
+                        f"{'the tree leaves' if g.tree.enabled else 'grpo.group_size'} ({group_of(g)}) != "
+                        f"train_micro_batch_size_per_gpu x gradient_accumulation_steps ({per_rank}) of {where}: "
+                        "set one to agree, or leave both batch values \"auto\" there")
     if args.profile_step is not None and not 1 <= args.profile_step <= recipe.train.max_steps:
         problems.append(f"--profile_step {args.profile_step}: must be a step of this run (1..{recipe.train.max_steps})")
     try:
         peer_timeout()  # read again when the watchdog starts; a bad value is bad input like any other
     except PeerTimeoutError as e:
         problems.append(str(e))
-    if "pipeline" in ds:
+    if "pipeline" in raw:
         problems.append(f"DeepSpeed config {args.deepspeed_config}: GRPO runs on ZeRO configs (zero3_grpo.json), not "
                         "pipeline stages; a pipeline run's checkpoint can still be its --init_from")
     problems += tree_problems(g, per_rank, g.rollout)
@@ -257,6 +278,19 @@ def preflight(args, world: World):
         print0(f"note: {problem.split(';')[0]}: grpo.rollout auto picks engine")
         recipe = replace(recipe, grpo=replace(g, rollout="engine"))
         g = recipe.grpo
+    if batch is not None and not problems:  # "auto": fitted to the device now that the model and prompts are known
+        auto = grpo_auto_batch(batch, raw, recipe, hf_config, prompts + evals, world)
+        ds = resolve_ds_config(raw, auto.memory_recipe, world.size, world.local_size, where=where,
+                               device=device_kind(), auto_batch=auto)
+        batch_note = auto.note
+        got = ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
+        if got != per_rank:  # --resume keeps the checkpoint's values
+            problems.append(f"{where}: \"auto\" kept the checkpoint's batch ({ds['train_micro_batch_size_per_gpu']} x "
+                            f"{ds['gradient_accumulation_steps']} = {got} sequences per GPU) for an exact resume, but "
+                            f"the recipe now asks for {per_rank} ({batch[1]}); resume with the batch the run started "
+                            "with, or start a new run_dir")
+    if problems:
+        raise ConfigError("; ".join(problems))
     if not problems and g.rollout != "engine" and device_kind() == "cuda":
         cache_len = decoder_cache_len(prompts + evals, cache_tokens(g))
         problem = decoder_fit_problem(hf_config, model_dtype(ds), per_rank, cache_len,
@@ -274,11 +308,64 @@ def preflight(args, world: World):
     if problems:
         raise ConfigError("; ".join(problems))
     recipe, schedule_lines = checkpoint.lr_schedule(recipe)
-    for line in schedule_lines:
-        print0(line)
+    for line in ([batch_note] if batch is not None else []) + schedule_lines:
+        print0(line)  # once, before any rank does work: what "auto" chose and why, the LR schedule on a resume
     if recipe.resume and ds.get("checkpoint", {}).get("load_universal") and world.rank == 0:
         checkpoint.to_universal(recipe.run_dir)  # the other ranks wait for rank 0 in init_distributed
     return recipe, ds, tok, prompts, evals, rewards, init
+
+
+def group_of(g: GRPOConfig) -> int:
+    """Sequences per prompt: grpo.group_size, or a tree's leaves."""
+    return g.tree.leaves() if g.tree.enabled else g.group_size
+
+
+def grpo_batch(raw: dict, g: GRPOConfig, where: str) -> tuple[int, str] | None:
+    """The rollout batch per GPU when the DS config leaves the batch to the engine ("auto", as zero2.json and
+    zero3.json do): (sequences, how they were set); None when the file has numbers."""
+    autos = [k for k in BATCH_KEYS if raw.get(k) == "auto"]
+    if not autos:
+        return None
+    if len(autos) == 1:
+        raise ConfigError(f'{where}: {autos[0]} "auto" with a number for the other batch value: for GRPO leave both '
+                          "train_micro_batch_size_per_gpu and gradient_accumulation_steps \"auto\" (the micro-batch "
+                          "fitted to the device, the accumulation making up the rollout batch) or write both")
+    G, what = group_of(g), "completions" if not g.tree.enabled else "tree leaves"
+    if g.prompts_per_step_per_gpu is not None:
+        return (g.prompts_per_step_per_gpu * G,
+                f"grpo.prompts_per_step_per_gpu {g.prompts_per_step_per_gpu} x {G} {what}")
+    prompts = max(1, SEQUENCES_PER_STEP // G)
+    return prompts * G, f"{prompts} prompts x {G} {what}; default: {SEQUENCES_PER_STEP} // {G} prompts"
+
+
+def grpo_auto_batch(batch: tuple[int, str], raw: dict, recipe: Recipe, hf_config, rows: list[dict],
+                    world: World) -> GRPOAutoBatch:
+    """engine/auto_batch.GRPOAutoBatch for this run: the model as it will be loaded (`hf_config`, written to a
+    temporary dir the memory model reads), training rows of the longest prompt + max_new_tokens, and beside the
+    policy the reference (ZeRO-3: its shard of the weights; else a whole copy) and the local decoder (weights + KV
+    cache of the whole rollout batch)."""
+    import tempfile
+
+    from .auto_batch import GIB, device_memory_gib, param_counts
+
+    g = recipe.grpo
+    tmp = tempfile.TemporaryDirectory(prefix="grpo_model_config_")
+    hf_config.save_pretrained(tmp.name)
+    m = replace(recipe.model, init_from=tmp.name)
+    model_from_hf_dir(m)  # its family and sizes (the checks ran on the real source already)
+    sequences, what = batch
+    dtype = model_dtype(raw)
+    size = torch.empty((), dtype=dtype).element_size()
+    total = param_counts(m)[0]
+    extra = size * (total / world.size if zero_stage(raw) == 3 else total)  # the reference policy
+    if g.rollout != "engine":
+        extra += sum(decoder_bytes(hf_config, dtype, sequences, decoder_cache_len(rows, cache_tokens(g))))
+    auto = GRPOAutoBatch(memory_gib=device_memory_gib(device_kind()),
+                         recorded=checkpoint.recorded_batch(recipe.run_dir) if recipe.resume else None,
+                         sequences=sequences, seq_len=decoder_cache_len(rows, g.max_new_tokens),
+                         extra_gib=extra / GIB, what=what)
+    auto.memory_recipe, auto.tmp = replace(recipe, model=m), tmp  # the dir lives as long as the object
+    return auto
 
 
 def left_pad(texts: list[str], tok, device) -> RolloutRequest:
@@ -851,6 +938,11 @@ def main(argv=None) -> int:
         report_error(e, world)
         return 2
     init_distributed()
+    try:
+        check_ranks_agree(ds)  # "auto" follows each rank's device
+    except ConfigError as e:
+        report_error(e, world)
+        return 2
     source = checkpoint.saved_state(recipe.run_dir).get("init_source") if recipe.resume else None
     source = source or (str(Path(args.init_from).resolve()) if args.init_from else init)
     if init is None and args.init_from:

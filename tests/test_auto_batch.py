@@ -242,11 +242,11 @@ def test_auto_where_it_is_not_supported():
                                           r"with a pipeline section \(the memory model covers ZeRO without a "
                                           r"pipeline\); write a number \(ds_configs/pipe.json has 4 x 4\)$"):
         resolve_ds_config({**pipe, "train_micro_batch_size_per_gpu": "auto"}, tiny, 2, 2, auto_batch=AutoBatch())
-    # entry points that do not resolve it (bin/grpo.py) pass no AutoBatch
+    # a caller that resolves no "auto" passes no AutoBatch
     with pytest.raises(ConfigError, match='^DeepSpeed config: train_micro_batch_size_per_gpu "auto" and '
-                                          'gradient_accumulation_steps "auto": resolved by bin/pretrain.py and '
-                                          r"bin/bench.py only \(from the device's memory\); write a number here "
-                                          r"\(bin/grpo.py: ds_configs/zero3_grpo.json has 16 x 4\)$"):
+                                          'gradient_accumulation_steps "auto": resolved by bin/pretrain.py, '
+                                          r"bin/grpo.py and bin/bench.py only \(from the device's memory\); write a "
+                                          "number here$"):
         resolve_ds_config(read_ds_config(ZERO3), tiny, 1, 1)
 
 
@@ -260,14 +260,25 @@ def test_nothing_fits_is_one_line():
         "ds_configs/zero3_offload.json or zero3_bf16_states.json, or write a number to try anyway")
 
 
-def test_grpo_refuses_auto_before_any_work(monkeypatch):
+def test_grpo_refuses_half_an_auto_batch_before_any_work(monkeypatch, tmp_path):
     from engine.grpo import parse_args, preflight
     from engine.parallel import World
 
     monkeypatch.chdir(ROOT)  # grpo_tiny.yaml's paths
-    args = parse_args(["--deepspeed_config", str(ZERO3), "--config", str(RECIPES / "grpo_tiny.yaml")])
-    with pytest.raises(ConfigError, match=r'^DeepSpeed config .*zero3.json: train_micro_batch_size_per_gpu "auto" '
-                                          'and gradient_accumulation_steps "auto": resolved by bin/pretrain.py'):
+    ds = write_ds(tmp_path / "ds.json", base=ZERO3, gradient_accumulation_steps=4)
+    args = parse_args(["--deepspeed_config", str(ds), "--config", str(RECIPES / "grpo_tiny.yaml")])
+    with pytest.raises(ConfigError, match=r'^DeepSpeed config .*ds.json: train_micro_batch_size_per_gpu "auto" '
+                                          'with a number for the other batch value: for GRPO leave both'):
+        preflight(args, World(rank=0, size=1, local_size=1))
+    ds = write_ds(tmp_path / "ds2.json", base=ROOT / "ds_configs" / "zero3_grpo.json")  # 16 x 4: 64 sequences
+    import yaml
+
+    recipe = yaml.safe_load((RECIPES / "grpo_tiny.yaml").read_text())
+    recipe["grpo"]["prompts_per_step_per_gpu"] = 3
+    (tmp_path / "grpo.yaml").write_text(yaml.safe_dump(recipe))
+    args = parse_args(["--deepspeed_config", str(ds), "--config", str(tmp_path / "grpo.yaml")])
+    with pytest.raises(ConfigError, match=r"grpo.prompts_per_step_per_gpu \(3\) x grpo.group_size \(\d+\) != "
+                                          r"train_micro_batch_size_per_gpu x gradient_accumulation_steps \(64\)"):
         preflight(args, World(rank=0, size=1, local_size=1))
 
 
@@ -318,3 +329,54 @@ def test_the_model_covers_the_families_measured_on_one_gpu(tmp_path):
     cfg["expert_parallel"]["autoep_size"] = 1
     micro, _, problem = AutoBatch(memory_gib=139.8).pick_micro(cfg, qwen, 1, "cuda")
     assert problem is None and micro < 32
+
+
+def test_grpo_auto_covers_the_grpo_peaks_measured_on_one_gpu():
+    """bin/grpo.py's "auto" (engine/grpo.py: grpo_auto_batch) against every GRPO peak measured on one H200 at
+    micro 16 x 4 (zero3_grpo.json / zero2_grpo.json, 8 prompts x G 8 x 256 new tokens, beta 0.04): grpo_2b6 at
+    vocabularies 512 and 129,280 (local decoder), and the Mixtral (local decoder) and DeepSeek-V2 (engine rollouts)
+    shapes of docs/bench/families/. Predicted at least the measured peak, by at most 6 GiB more."""
+    import dataclasses
+
+    from engine import grpo
+    from engine.data import load_tokenizer
+    from engine.model import make_hf_config
+    from engine.parallel import World
+
+    bench = ROOT / "docs" / "bench"
+    tok = load_tokenizer(load_recipe(RECIPES / "grpo_2b6.yaml").data.tokenizer)
+    rows = [{"n_tokens": len(tok(json.loads(line)["prompt"])["input_ids"])}
+            for line in open(ROOT / "engine" / "assets" / "arith_train.jsonl")]
+    cases = [("grpo_vs_trl_engine_zero3_metrics.jsonl", "zero3_grpo", None, "auto", 512),
+             ("vocab/grpo_v129k/engine_zero3_grpo_metrics.jsonl", "zero3_grpo", None, "auto", None),
+             ("vocab/grpo_v129k/engine_zero2_grpo_metrics.jsonl", "zero2_grpo", None, "auto", None),
+             ("families/mixtral_8x7b_l3_grpo.jsonl", "zero3_grpo", "mixtral_8x7b_l3", "auto", None),
+             ("families/deepseek_v2_lite_l8_grpo.jsonl", "zero3_grpo", "deepseek_v2_lite_l8", "engine", None)]
+    for path, ds_name, model, rollout, vocab in cases:
+        measured = max(json.loads(line)["peak_mem_gib"] for line in open(bench / path))
+        r = load_recipe(RECIPES / "grpo_2b6.yaml", {"grpo.beta": 0.04, "grpo.rollout": rollout,
+                                                    **({"model.vocab_size": vocab} if vocab else {})})
+        if model:
+            r = dataclasses.replace(r, model=load_recipe(RECIPES / f"{model}.yaml").model)
+        raw = read_ds_config(ROOT / "ds_configs" / f"{ds_name}.json")
+        auto = grpo.grpo_auto_batch((64, "8 x 8"), raw, r, make_hf_config(r.model, tok), rows, World(0, 1, 1))
+        predicted = auto.peak_gib(raw, auto.memory_recipe, 1, 16, "cuda")
+        assert measured <= predicted <= measured + 6.0, (path, measured, predicted)
+
+
+def test_grpo_auto_divides_the_rollout_batch():
+    from engine.auto_batch import GRPOAutoBatch
+
+    tiny = load_recipe(None)
+    cfg = read_ds_config(ZERO3)
+    for sequences, micro, accum in ((64, 8, 8), (24, 8, 3), (12, 4, 3), (7, 1, 7)):  # the CPU: at most 8
+        auto = GRPOAutoBatch(sequences=sequences, seq_len=64, what="test")
+        assert auto.resolve(dict(cfg), tiny, 1, "cpu") == []
+        assert (auto.chosen["micro_batch"], auto.chosen["grad_accum"]) == (micro, accum), sequences
+    gpu = GRPOAutoBatch(memory_gib=139.8, sequences=48, seq_len=64, what="test")  # 32 does not divide 48
+    c = dict(cfg)
+    assert gpu.resolve(c, tiny, 1, "cuda") == [] and (c["train_micro_batch_size_per_gpu"], c["gradient_accumulation_steps"]) == (16, 3)
+    full = GRPOAutoBatch(memory_gib=139.8, sequences=64, seq_len=64, extra_gib=200.0, what="test")
+    problems = full.resolve(dict(cfg), tiny, 1, "cuda")
+    assert len(problems) == 1 and "nothing fits this device" in problems[0]
+    assert "the reference policy and the rollout decoder 200.0 GiB" in problems[0], problems[0]

@@ -641,3 +641,29 @@ def test_replayed_router_gradient_equals_the_hand_computed_one(replays):
             torch.testing.assert_close(grads(r), grads(r, "hand_grads"), atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(grads(r), ref, atol=1e-5, rtol=1e-4)
     assert replays["ckpt"][0]["checkpointing"] and not replays["two"][0]["checkpointing"]
+
+
+def test_grpo_takes_the_pretraining_configs_auto_batch(pretrained):
+    """One DS config for both commands: bin/grpo.py with the shipped zero3.json (batch "auto") fits the micro-batch
+    (on the CPU: the largest of 8, 4, 2, 1 dividing the rollout batch) and accumulates to the rollout batch
+    (grpo.prompts_per_step_per_gpu 3 x G 4 = 12 sequences: 4 x 3), says so once, and trains exactly as
+    zero3_grpo.json with those numbers written."""
+    d = pretrained / "auto_batch"
+    d.mkdir()
+    rows = [json.loads(line) for line in (ASSETS / "arith_train.jsonl").read_text().splitlines()[:6]]
+    (d / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "grpo.yaml").write_text(GRPO_RECIPE.replace("PROMPTS", str(d / "prompts.jsonl")).replace(
+        "rollout: KIND", "rollout: local, prompts_per_step_per_gpu: 3"))
+    common = ["--config", d / "grpo.yaml", "--init_from", pretrained / "hf"]
+    p = run_launcher(1, GRPO, "--deepspeed_config", ZERO3, *common, "--run_dir", d / "auto", cwd=d)
+    batch = [line for line in p.stdout.splitlines() if line.startswith("batch:")]
+    assert batch == ['batch: micro-batch 4 x 3 accumulation per GPU ("auto": micro-batch 4: the CPU\'s: the largest '
+                     "of 32, 16, 8, 4, 2, 1 up to 8 dividing it; accumulation 3: 12 sequences per step per GPU "
+                     "(grpo.prompts_per_step_per_gpu 3 x 4 completions) / 4)"], p.stdout
+    written = write_ds(d / "written.json", base=ZERO3_GRPO, train_micro_batch_size_per_gpu=4,
+                       gradient_accumulation_steps=3)
+    run_launcher(1, GRPO, "--deepspeed_config", written, *common, "--run_dir", d / "written", cwd=d)
+    keys = ("step", "reward", "reward_std", "loss", "kl", "entropy", "response_len", "generated_tokens", "eval_reward")
+    auto, numbers = ([{k: r[k] for k in keys if k in r} for r in read_metrics(d / run)] for run in ("auto", "written"))
+    assert [r["step"] for r in auto] == [0, 1, 2] and auto[-1]["generated_tokens"] > 0
+    assert auto == numbers  # bitwise: the same batch, the same run
