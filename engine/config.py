@@ -106,6 +106,10 @@ class TrainConfig:
     """Target tokens per optimizer step per data-parallel rank, for a DS config's gradient_accumulation_steps "auto"
     (accumulation = this / (micro-batch x data.seq_len), rounded, at least 1). Unset: 64 x data.seq_len on an
     accelerator, one micro-batch (accumulation 1) on the CPU (docs/configs.md)."""
+    fp8: bool | str = False
+    """false | dense: the attention projections, shared experts and dense MLPs in FP8 through torchao's Float8Linear
+    (engine/fp8.py; pip install -e ".[fp8]"); the output layer, routers and routed experts stay in the model's dtype;
+    weights, checkpoints and exports are unchanged. all (routed experts too) is not built yet."""
     compile: bool | str = "auto"
     """torch.compile through DeepSpeed (engine.compile()) of the layers around the AutoEP blocks (DS config
     "compile": {"autoep_non_moe": true}; routing and experts stay eager). auto: on for CUDA runs whose DS config
@@ -446,6 +450,8 @@ def validate(r: Recipe) -> list[str]:
         p.append(f"train.tokens_per_step_per_gpu: must be >= 1 (or left out), got {t.tokens_per_step_per_gpu}")
     if t.log_every < 1:
         p.append(f"train.log_every: must be >= 1, got {t.log_every}")
+    if t.fp8 not in (False, "dense", "all"):
+        p.append(f"train.fp8: {t.fp8!r} is not one of false, dense, all")
     if t.compile not in (True, False, "auto"):
         p.append(f"train.compile: {t.compile!r} is not one of true, false, auto")
     if t.balance_rate < 0:

@@ -209,6 +209,9 @@ def preflight(args, world: World):
                           where=where, device=device_kind())
         ds, per_rank = None, batch[0]
     problems = loss_config(g).validate()
+    if recipe.train.fp8:
+        problems.append(f"train.fp8 ({recipe.train.fp8}): bin/pretrain.py only so far; GRPO trains in the DS config's "
+                        "precision (set train.fp8: false in the GRPO recipe)")
     if batch is None and g.prompts_per_step_per_gpu is not None and \
             g.prompts_per_step_per_gpu * group_of(g) != per_rank:
         problems.append(f"grpo.prompts_per_step_per_gpu ({g.prompts_per_step_per_gpu}) x "

@@ -14,6 +14,7 @@ import torch
 
 from . import checkpoint, pipeline
 from .auto_batch import AutoBatch, device_memory_gib
+from .fp8 import can_run_fp8, convert as fp8_convert, fp8_problems
 from .balance import ExpertBalance
 from .config import ConfigError, Recipe, load_recipe
 from .data import ReadAhead, build_data, load_tokenizer, to_device
@@ -100,6 +101,8 @@ def preflight(args: argparse.Namespace, world: World):
             problems.append(str(e))
         batch, dp = (ds["train_batch_size"], pipeline.data_coords(ds, 0, world.size)[1]) if ds else (None, world.size)
         problems += check_corpus(data, tok, batch, dp)  # files, rows, encoding, tokens (a bounded sample)
+    if recipe is not None and raw is not None:
+        problems += fp8_problems(recipe.train.fp8, raw, device_kind())
     if ds is not None and recipe.resume:
         found, universal = checkpoint.check_resume(recipe, ds, world.size, world.rank)
         problems += found
@@ -161,6 +164,11 @@ def build(recipe: Recipe, ds: dict, tok, world: World):
 
         device = None if zero_stage(ds) == 3 else get_accelerator().current_device_name()  # ZeRO-3: zero.Init places it
         model = build_model(recipe.model, ds, tok, dtype=model_dtype(ds), device=device)
+        if recipe.train.fp8:
+            kind = get_accelerator().device_name()
+            names = fp8_convert(model, recipe.train.fp8, kind)
+            print0(f"fp8: {len(names)} linear layers in FP8 ({'FP8 GEMMs' if can_run_fp8(kind) else 'emulated'}); "
+                   "the output layer, routers and routed experts in the model's dtype")
         if recipe.train.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine = build_engine(model, ds, recipe.train)

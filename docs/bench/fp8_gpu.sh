@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# FP8 against bf16 through bin/pretrain.py on one GPU, in one call: RECIPE (deepseek_2b6) at seq 2048 for STEPS (30)
+# steps with each DS config in CONFIGS ("zero2.json zero3.json"), train.fp8 false then dense (a copy of the recipe),
+# the same seed and data; a table of tokens/s (median from step 3), the FP8 / bf16 ratio, peak memory, and the loss of
+# both at every step. Needs torchao importable (in .whl/: offline-wheels.sh torchao==<a build for the GPU image's
+# torch>); prints the versions it ran with.
+#   bash docs/bench/fp8_gpu.sh   (on the GPU machine, from the checkout, .whl/ carried; ~4 runs x 2-3 min)
+# Files: $OUT/fp8_<config>_<mode>.jsonl (metrics rows), $OUT/fp8.md (table), $OUT/logs.tgz.
+set -u
+OUT=${OUT:-/tmp/fp8}; W=/tmp/fp8w; mkdir -p "$OUT" $W/logs
+export TORCH_CUDA_ARCH_LIST=9.0 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+if ! python3 -c "import deepspeed" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
+fi
+python3 -c "import torch, torchao; print('torch', torch.__version__, 'torchao', torchao.__version__, torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))"
+RECIPE=${RECIPE:-deepseek_2b6}
+for mode in false dense; do
+  python3 -c "import sys, yaml; r = yaml.safe_load(open(sys.argv[1])); r.setdefault('train', {})['fp8'] = sys.argv[2] != 'false'\
+ and sys.argv[2]; r['train']['log_every'] = 1; r['checkpoint'] = {'at_end': False}; yaml.safe_dump(r, open(sys.argv[3], 'w'))" \
+    engine/recipes/$RECIPE.yaml $mode $W/$mode.yaml
+done
+port=29900
+for cfg in ${CONFIGS:-zero2.json zero3.json}; do
+  for mode in false dense; do
+    port=$((port + 1)); name=${cfg%.json}_$mode; t=$SECONDS; rm -rf $W/$name
+    timeout -k 15 ${T_RUN:-240} python3 -m deepspeed.launcher.runner --master_port $port --num_gpus 1 bin/pretrain.py \
+      --deepspeed_config ds_configs/$cfg --config $W/$mode.yaml --max_steps ${STEPS:-30} --run_dir $W/$name \
+      > $W/logs/$name.log 2>&1
+    echo "$name: exit $? in $((SECONDS - t))s $(grep -m1 -oE 'batch: .{0,60}' $W/logs/$name.log) $(grep -m1 -oE 'fp8: .{0,120}|OutOfMemoryError|Error: .{0,160}|error: .{0,200}' $W/logs/$name.log)"
+    cp $W/$name/metrics.jsonl "$OUT/fp8_$name.jsonl" 2>/dev/null
+  done
+done
+python3 - "$OUT" ${CONFIGS:-zero2.json zero3.json} <<'PY' | tee "$OUT/fp8.md"
+import json, statistics, sys
+out = sys.argv[1]
+def rows(p):
+    try:
+        return [r for r in map(json.loads, open(p)) if "loss" in r]
+    except OSError:
+        return []
+print("| config | train.fp8 | steps | tokens/s (median from step 3) | FP8 / bf16 | peak GiB | loss first -> last |")
+print("|---|---|---|---|---|---|---|")
+for cfg in sys.argv[2:]:
+    c = cfg.removesuffix(".json")
+    base = None
+    for mode in ("false", "dense"):
+        r = rows(f"{out}/fp8_{c}_{mode}.jsonl")
+        if not r:
+            print(f"| {cfg} | {mode} | 0 | - | - | - | - |")
+            continue
+        tps = statistics.median(x["tokens_per_s"] for x in r[2:] or r)
+        base = tps if mode == "false" else base
+        ratio = f"{tps / base:.3f}" if mode == "dense" and base else "-"
+        print(f"| {cfg} | {mode} | {len(r)} | {tps:.0f} | {ratio} | {max(x.get('peak_mem_gib') or 0 for x in r)} | "
+              f"{r[0]['loss']:.3f} -> {r[-1]['loss']:.3f} |")
+    a, b = rows(f"{out}/fp8_{c}_false.jsonl"), rows(f"{out}/fp8_{c}_dense.jsonl")
+    if a and b:
+        print(f"\n{cfg} loss by step (bf16 / fp8): " + ", ".join(f"{x['step']}: {x['loss']:.3f}/{y['loss']:.3f}"
+                                                              for x, y in zip(a, b)) + "\n")
+PY
+tar czf "$OUT/logs.tgz" -C $W logs
