@@ -249,6 +249,50 @@ def _ep(cfg: dict) -> int:
     return size if uses_expert_parallel(cfg) and isinstance(size, int) and size >= 1 else 1
 
 
+# DeepSpeed's CPU optimizer offload (offload_optimizer.device "cpu") keeps, per rank, its share of the model (1/dp
+# under ZeRO, times offload_optimizer.ratio) as fp32 master weights, fp32 gradients and Adam's two fp32 moments in host
+# memory (pinned with pin_memory): 16 bytes per parameter; offload_param "cpu" adds the weights in the model's dtype.
+HOST_OPTIMIZER_BYTES = 16
+
+
+def host_offload_gib(cfg: dict, recipe: Recipe, dp: int) -> float:
+    """Host memory one rank's offloaded optimizer state (and offloaded parameters) take, GiB; 0 without offload."""
+    zero = cfg.get("zero_optimization") or {}
+    opt, par = zero.get("offload_optimizer") or {}, zero.get("offload_param") or {}
+    on_cpu = [x.get("device") == "cpu" for x in (opt, par)]
+    if not any(on_cpu):
+        return 0.0
+    total = param_counts(recipe.model)[0]
+    b = HOST_OPTIMIZER_BYTES * float(opt.get("ratio", 1.0)) * total / dp if on_cpu[0] else 0.0
+    if on_cpu[1]:
+        b += _bytes_per_param(cfg)[0] * total / dp
+    return b / GIB
+
+
+def host_available_gib() -> float | None:
+    """This machine's available memory (MemAvailable of /proc/meminfo), GiB; None where it cannot be read."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024 / GIB
+    except OSError:
+        pass
+    return None
+
+
+def host_memory_problem(cfg: dict, recipe: Recipe, dp: int, ranks_per_node: int) -> str | None:
+    """One line when the ranks of this node would offload more than the node's available memory."""
+    per_rank = host_offload_gib(cfg, recipe, dp)
+    have = host_available_gib() if per_rank else None
+    need = per_rank * ranks_per_node
+    if have is None or need <= have:
+        return None
+    return (f"zero_optimization offload: the {ranks_per_node} rank{'s' if ranks_per_node > 1 else ''} of this node "
+            f"would keep {need:.1f} GiB in host memory ({per_rank:.1f} GiB each: fp32 master weights, gradients and "
+            f"Adam moments of its share of {param_counts(recipe.model)[0] / 1e9:.2f}B parameters) but "
+            f"{have:.1f} GiB are available; lower offload_optimizer.ratio, use more nodes, or zero3_bf16_states.json")
+
+
 def device_memory_gib(device: str, fraction: float | None = None) -> float | None:
     """This rank's device memory in GiB (x `fraction`: --memory_fraction, which the entry point also gives torch as
     the per-process cap once the device is set), None on the CPU. Asked before any rank sets its device, so it
