@@ -125,9 +125,15 @@ def model_config(init_from: str | None, init: str | None, recipe: Recipe, tok):
 
         return AutoConfig.from_pretrained(init)
     if init_from is not None:  # a checkpoint (resolve_init found it): planned as the export in main() will read it
-        from .export import ExportError, open_checkpoint
+        from .checkpoint import damage
+        from .export import ExportError, find_tag_dir, open_checkpoint
 
         try:
+            tag_dir = find_tag_dir(init_from, None).resolve()
+            bad = damage(tag_dir, verify_crc=True)  # as --resume checks a checkpoint: before any rank exports it
+            if bad:
+                raise ConfigError(f"--init_from {init_from}: checkpoint {tag_dir} is damaged ({bad}): a file is "
+                                  "missing, truncated or corrupt; copy it again, or pass an older step_* dir of it")
             return open_checkpoint(init_from, verify=False).hf_config
         except ExportError as e:
             raise ConfigError(f"--init_from {init_from}: cannot be read as a model: {e}") from None

@@ -392,3 +392,22 @@ def test_cadence_by_steps_time_and_signal():
     finally:
         c.close()
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_grpo_from_a_damaged_checkpoint_is_one_line_before_any_work(base, reference, tmp_path, capfd, monkeypatch):
+    """bin/grpo.py --init_from a pretraining run whose latest checkpoint has a flipped byte: refused in preflight
+    (rank 0 would otherwise export it after every rank started), nothing written."""
+    from engine.grpo import main
+
+    run = tmp_path / "run"
+    shutil.copytree(base / "ref", run)
+    damage(run, "flipped_byte", tmp_path)
+    before = tree_digest(run)
+    argv = ["--deepspeed_config", ROOT / "ds_configs" / "zero3_grpo.json", "--config",
+            ROOT / "engine" / "recipes" / "grpo_tiny.yaml", "--init_from", run, "--run_dir", tmp_path / "grpo"]
+    p = run_in_process(main, argv, capfd, monkeypatch, cwd=ROOT)
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
+    assert f"--init_from {run}: checkpoint {(run / 'checkpoints' / tag(STEPS)).resolve()} is damaged " \
+           "(zero_pp_rank_0_mp_rank_00_optim_states.pt fails its CRC check" in lines[0], lines[0]
+    assert tree_digest(run) == before and not (tmp_path / "grpo").exists()
