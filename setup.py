@@ -20,7 +20,7 @@ setup(
     # xdist: the suite on both CI cores; pytest < 9.1: from 9.1 pytest builds test ids itself and xdist 3.8's
     # --dist loadgroup tags are lost (tests/conftest.py: pytest_configure refuses such a pytest with -n)
     # fp8: train.fp8 (engine/fp8.py) through torchao's Float8Linear; the tests run it emulated on the CPU, so the test
-    # extra carries it too. 0.18.0 runs on the pinned torch 2.13.
+    # extra carries it too. 0.18.0 needs torch >= 2.11 (its import checks): the pinned 2.13 and the GPU image's 2.11.
     extras_require={"test": ["pytest>=8,<9.1", "pytest-xdist>=3.6", "torchao==0.18.0"],
                     "fp8": ["torchao==0.18.0"]},
 )
