@@ -2,8 +2,8 @@
 # FP8 against bf16 through bin/pretrain.py on one GPU, in one call: RECIPE (deepseek_2b6) at seq 2048 for STEPS (30)
 # steps with each DS config in CONFIGS ("zero2.json zero3.json"), train.fp8 false then dense (a copy of the recipe),
 # the same seed and data; a table of tokens/s (median from step 3), the FP8 / bf16 ratio, peak memory, and the loss of
-# both at every step. Needs torchao importable (in .whl/: offline-wheels.sh torchao==<a build for the GPU image's
-# torch>); prints the versions it ran with.
+# both at every step. Needs torchao importable (in .whl/: ../shared/tools/offline-wheels.sh trl==1.16.0
+# torchao==0.18.0; 0.18.0 needs torch >= 2.11, which the GPU image has); prints the versions it ran with.
 #   bash docs/bench/fp8_gpu.sh   (on the GPU machine, from the checkout, .whl/ carried; ~4 runs x 2-3 min)
 # Files: $OUT/fp8_<config>_<mode>.jsonl (metrics rows), $OUT/fp8.md (table), $OUT/logs.tgz.
 set -u
