@@ -288,7 +288,8 @@ def absorbed_mla_forward(self, hidden_states, position_embeddings, attention_mas
     q_pass, q_rot = q.view(B, T, H, dn + dr).transpose(1, 2).split([dn, dr], dim=-1)  # (B, H, T, dn), (B, H, T, dr)
     kv_nope, k_rot = kv_a.split([C, dr], dim=-1)
     kv_nope = self.kv_a_layernorm(kv_nope).view(B, 1, T, C)
-    rope = apply_rotary_pos_emb_interleave if self.config.rope_interleave else apply_rotary_pos_emb
+    interleaved = self.config.model_type == "deepseek_v2" or self.config.rope_interleave  # V2: deepseek_v2_cos_sin
+    rope = apply_rotary_pos_emb_interleave if interleaved else apply_rotary_pos_emb
     q_rot, k_rot = rope(q_rot, k_rot.view(B, 1, T, dr), *position_embeddings)
     kv_nope, k_rot = past_key_values.update(kv_nope, k_rot, self.layer_idx)  # (B, 1, L, C), (B, 1, L, dr)
     L = kv_nope.shape[2]
@@ -307,6 +308,19 @@ def absorbed_mla_forward(self, hidden_states, position_embeddings, attention_mas
     out_lat = torch.bmm(probs.view(B, H * T, L), latent).view(B, H, T, C)
     out = torch.einsum("bhtc,hvc->bthv", out_lat, w[:, dn:])  # (B, T, H, dv)
     return self.o_proj(out.reshape(B, T, H * dv)), None
+
+
+def deepseek_v2_cos_sin(self, x, position_ids):
+    """DeepSeek-V2's rotary embedding for the decoder, as the (cos, sin) pair DeepSeek-V3's interleaved rotary takes.
+
+    transformers' DeepSeek-V2 rotates each (even, odd) pair of the rope dims by a complex multiply with
+    polar(scaling, position x inv_freq). DeepSeek-V3's apply_rotary_pos_emb_interleave, given cos and sin of the same
+    angles (each repeated over both halves, times the same scaling), computes those products with the dims
+    reordered (the pairs' first elements, then their second ones) in queries and keys alike, so every
+    query-key score is the same; and no complex tensor enters the compiled decode step."""
+    freqs = (self.inv_freq[None, :, None].float() * position_ids[:, None, :].float()).transpose(1, 2)  # (B, T, dr/2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
 
 COUNTS = ("forwards", "prefill_tokens", "decoded_tokens", "sampled_tokens", "forks")
@@ -334,8 +348,10 @@ class Decoder:
         fused = fuse_for_decode(model, dense_experts=decode_experts == "dense")
         config = model.config
         for m in model.modules():
-            if hasattr(m, "kv_b_proj"):  # DeepSeek-V3's MLA: attend in the latent space (absorbed_mla_forward)
+            if hasattr(m, "kv_b_proj"):  # DeepSeek's MLA: attend in the latent space (absorbed_mla_forward)
                 m.forward = types.MethodType(absorbed_mla_forward, m)
+        if config.model_type == "deepseek_v2":  # its rotary as cos/sin (no complex tensors in the compiled step)
+            model.model.rotary_emb.forward = types.MethodType(deepseek_v2_cos_sin, model.model.rotary_emb)
         self.model, self.device, self.decode_experts = model, torch.device(device), decode_experts
         self.batch_size, self.cache_len = batch_size, cache_len
         self.cache = StaticCache(config=config, max_cache_len=cache_len)

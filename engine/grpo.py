@@ -171,7 +171,7 @@ def decoder_bytes(hf_config, dtype: torch.dtype, batch: int, cache_len: int) -> 
     return n_params * size, hf_config.num_hidden_layers * batch * cache_len * per_token * size
 
 
-DECODER_MODEL_TYPES = ("deepseek_v3", "qwen3_moe", "mixtral")  # the families the local rollout decoder takes
+DECODER_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "mixtral")  # the families the local rollout decoder takes
 
 
 def decoder_family_problem(hf_config) -> str | None:
@@ -182,8 +182,6 @@ def decoder_family_problem(hf_config) -> str | None:
     if "linear_attention" in (getattr(hf_config, "layer_types", None) or []):
         why = ("its Gated DeltaNet (linear attention) layers keep a recurrent state that the decoder's static KV cache "
                "does not hold")
-    elif kind == "deepseek_v2":
-        why = "the decoder's absorbed MLA attention applies DeepSeek-V3's rotary embedding, not DeepSeek-V2's"
     else:
         why = f"the decoder is built and tested for {', '.join(DECODER_MODEL_TYPES)} only"
     return (f"grpo.rollout: local (the persistent rollout decoder) cannot take a {kind} model: {why}; set "

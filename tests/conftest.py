@@ -455,6 +455,14 @@ def check_decoder_follows_generate(model, dec, ids, mask, rounds: int = 2) -> No
             ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
         got = dec.generate(ids, mask, 10, eos_id=-1, pad_id=0, temperature=0)
         assert torch.equal(got, ref[:, : got.shape[1]]) and got.shape[1] == ref.shape[1]
+        # sampled: the decoder's log-probs of its tokens equal the model's forward over prompt + completion (greedy
+        # tokens alone are blind to small errors in the scores, e.g. a rotary applied to the wrong dims)
+        got = dec.generate(ids, mask, 10, eos_id=-1, pad_id=0, temperature=1.0)
+        full = torch.cat([mask, torch.ones_like(got[:, ids.shape[1]:])], dim=1)
+        with torch.no_grad():
+            logits = model(got, attention_mask=full, position_ids=(full.cumsum(-1) - 1).clamp(min=0)).logits
+        want = logits[:, ids.shape[1] - 1:-1].float().log_softmax(-1).gather(-1, got[:, ids.shape[1]:, None])[..., 0]
+        assert torch.allclose(dec.last_logps, want, atol=1e-4), (dec.last_logps - want).abs().max()
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.05)

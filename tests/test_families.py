@@ -250,27 +250,27 @@ def test_pipeline_mode_is_refused(tmp_path, arch, capfd, monkeypatch):
     assert not (tmp_path / "run").exists()
 
 
-def test_the_rollout_decoder_refuses_gated_deltanet_and_deepseek_v2():
+def test_the_rollout_decoder_refuses_gated_deltanet():
     """Measured before refusing: the decoder's greedy tokens differed from generate's on a tiny Qwen3.5-MoE (its Gated
-    DeltaNet state is not in the static cache), and a DeepSeek-V2 failed in the decoder's MLA (AttributeError:
-    'DeepseekV2Config' object has no attribute 'rope_interleave')."""
+    DeltaNet state is not in the static cache)."""
     from engine.config import ModelConfig
     from engine.grpo import decoder_family_problem
     from engine.model import make_hf_config
 
-    for arch in ("deepseek_v3", "qwen3_moe", "mixtral"):
-        assert decoder_family_problem(make_hf_config(ModelConfig(arch=arch, num_kv_heads=2))) is None
+    for arch in ("deepseek_v3", "deepseek_v2", "qwen3_moe", "mixtral"):
+        assert decoder_family_problem(make_hf_config(ModelConfig(arch=arch, num_kv_heads=2 if arch in (
+            "qwen3_moe", "mixtral") else 4))) is None
     line = decoder_family_problem(make_hf_config(ModelConfig(arch="qwen3_5_moe", num_layers=4)))
     assert line.startswith("grpo.rollout: local (the persistent rollout decoder) cannot take a qwen3_5_moe_text model: "
                            "its Gated DeltaNet (linear attention) layers keep a recurrent state")
     assert line.endswith("set grpo.rollout: engine (generation through the DeepSpeed engine)")
-    assert "absorbed MLA attention applies DeepSeek-V3's rotary embedding" in decoder_family_problem(
-        make_hf_config(ModelConfig(arch="deepseek_v2")))
 
 
-def test_the_rollout_decoder_samples_a_mixtral_as_generate(monkeypatch):
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v2"])
+def test_the_rollout_decoder_samples_the_family_as_generate(arch, monkeypatch):
     """As tests/test_rollout.py checks DeepSeek-V3: greedy tokens equal transformers' generate on the same weights,
-    again after every weight changed and the decoder was refreshed in place."""
+    again after every weight changed and the decoder was refreshed in place. DeepSeek-V2: its own rotary embedding
+    (complex pairs, engine/decoder.py: deepseek_v2_cos_sin) and softmax routing through the absorbed MLA."""
     from transformers import AutoModelForCausalLM
     from transformers.integrations import deepspeed as hf_deepspeed
 
@@ -280,7 +280,8 @@ def test_the_rollout_decoder_samples_a_mixtral_as_generate(monkeypatch):
 
     monkeypatch.setattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)  # a ZeRO-3 engine built earlier here
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(make_hf_config(ModelConfig(arch="mixtral", num_kv_heads=2))).eval()
+    model = AutoModelForCausalLM.from_config(make_hf_config(ModelConfig(arch=arch, num_kv_heads=2 if arch == "mixtral"
+                                                                        else 4))).eval()
     ids = torch.randint(1, 512, (3, 9))
     mask = torch.ones_like(ids)
     mask[0, :4] = 0
@@ -342,3 +343,26 @@ def test_grpo_on_gated_deltanet_generates_through_the_engine(tmp_path, capfd, mo
     assert not any("decode_ms_per_step" in r for r in rows)  # the engine generated, not the local decoder
     for r in rows:  # its generate call's time per step of the longest completion (between the mean and max_new_tokens)
         assert 1000 * r["rollout_s"] / 4 - 1e-6 <= r["rollout_ms_per_step"] <= 1000 * r["rollout_s"] / r["response_len"] + 1e-6, r
+
+
+def test_grpo_on_deepseek_v2_samples_with_the_local_decoder(tmp_path):
+    """DeepSeek-V2 on 2 ranks (ZeRO-3, expert parallel 2, fp32) with grpo.rollout auto: the local decoder samples (its
+    copy refreshed from the AutoEP policy), and what it sampled from is what the trainer computes: every response
+    token's log-prob and every expert choice agree with the policy's first training forward (fp32: summation order
+    only). With routing replay on, as the decoder's recording makes possible."""
+    init = save_tiny("deepseek_v2", tmp_path / "hf")
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p, "answer": "1"}) + "\n"
+                                                    for p in ("Q: 2 + 3 = ? A:", "Gus went to the harbor with")))
+    (tmp_path / "grpo.yaml").write_text(GRPO_RECIPE.format(init=init, prompts=tmp_path / "prompts.jsonl",
+                                                           rollout="auto, routing_replay: r3"))
+    ds = write_ds(tmp_path / "ds.json", base=ROOT / "ds_configs" / "zero3_grpo.json", drop=("bf16",),
+                  train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=1)
+    p = run_ranks(2, ROOT / "bin" / "grpo.py", "--deepspeed_config", ds, "--config", tmp_path / "grpo.yaml",
+                  "--run_dir", tmp_path / "run", cwd=tmp_path)
+    assert "picks engine" not in p.stdout
+    rows = [r for r in read_metrics(tmp_path / "run") if "generated_tokens" in r]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["generated_tokens"] > 0 for r in rows)
+    for r in rows:
+        assert r["decode_ms_per_step"] > 0  # the local decoder generated
+        assert r["rollout_logp_diff_max"] < 1e-4, r
+        assert r["routing_agree_choice"] == 1.0 and r["routing_live_agree_choice"] == 1.0, r

@@ -33,7 +33,7 @@ def same_sets(a, b):
     return (a.sort(-1).values == b.sort(-1).values.to(a.dtype)).all(-1)
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "mixtral"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "mixtral", "deepseek_v2"])
 @pytest.mark.parametrize("experts", ["grouped_mm", "dense"])
 def test_the_decoder_records_the_experts_the_model_routes_to(arch, experts):
     """Sampled chains from left-padded prompts, some ending at EOS: the recorded ids of every prompt token and every
@@ -62,9 +62,16 @@ def dec_dense(model) -> int:
 
 
 def family_model(arch):
-    from transformers import AutoModelForCausalLM, MixtralConfig
+    from transformers import AutoModelForCausalLM, DeepseekV2Config, MixtralConfig
 
     torch.manual_seed(0)
+    if arch == "deepseek_v2":  # softmax routing, MLA with its own rotary (the decoder: deepseek_v2_cos_sin)
+        cfg = DeepseekV2Config(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                               num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=0, kv_lora_rank=16,
+                               q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                               max_position_embeddings=64, eos_token_id=5, pad_token_id=0)
+        return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     cfg = MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
                         max_position_embeddings=64, eos_token_id=5, pad_token_id=0)

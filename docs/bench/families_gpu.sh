@@ -4,7 +4,7 @@
 # below): bin/pretrain.py for PT_STEPS (20) steps with ds_configs/zero2.json ("auto" batch), then bin/grpo.py for
 # GRPO_STEPS (4) steps from a random init of the same model (docs/bench/save_random_model.py) with
 # ds_configs/zero3_grpo.json (grpo_2b6.yaml's grpo section, beta 0.04; the rollout path is what "auto" picks for the
-# family: the local decoder for mixtral, the engine for deepseek_v2 and qwen3_5), and a table of tokens/s, MFU (see
+# family: the local decoder for mixtral and deepseek_v2, the engine for qwen3_5), and a table of tokens/s, MFU (see
 # flops_per_token below), peak memory, loss at the first and last step, the GRPO step and decode ms per step.
 #   bash docs/bench/families_gpu.sh     (on the GPU machine, from the checkout, with .whl/ carried; about 4 minutes a
 #   family: split RECIPES over two 10-minute calls)
