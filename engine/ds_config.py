@@ -74,11 +74,6 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, ranks_per_node
     p += resolve_compile(cfg, recipe)
     p += resolve_batch_size(cfg, world_size, stages, recipe, device, auto_batch)
     p += stray_auto(cfg)
-    if not p and "pipeline" not in cfg:
-        from .auto_batch import host_memory_problem
-
-        found = host_memory_problem(cfg, recipe, world_size, min(ranks_per_node, world_size))
-        p += [found] if found else []
     if p:
         raise ConfigError(f"{where}: " + "; ".join(p))
     return cfg

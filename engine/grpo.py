@@ -22,7 +22,7 @@ import torch.distributed as dist
 from . import checkpoint, curriculum
 from .config import ConfigError, GRPOConfig, Recipe, load_recipe, model_from_hf_dir
 from .data import load_tokenizer
-from .auto_batch import SEQUENCES_PER_STEP, GRPOAutoBatch
+from .auto_batch import SEQUENCES_PER_STEP, GRPOAutoBatch, host_memory_problem
 from .ds_config import BATCH_KEYS, read_ds_config, resolve_ds_config, zero_stage
 from .grpo_math import GRPOLossConfig, group_advantages, keep_mask, kl_k3, policy_loss
 from .metrics import Metrics, print0
@@ -296,6 +296,8 @@ def preflight(args, world: World):
                             f"{ds['gradient_accumulation_steps']} = {got} sequences per GPU) for an exact resume, but "
                             f"the recipe now asks for {per_rank} ({batch[1]}); resume with the batch the run started "
                             "with, or start a new run_dir")
+    found = host_memory_problem(ds, recipe, world.size, min(world.local_size, world.size)) if ds else None
+    problems += [f"{where}: {found}"] if found else []
     if problems:
         raise ConfigError("; ".join(problems))
     if not problems and g.rollout != "engine" and device_kind() == "cuda":

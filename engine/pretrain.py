@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoint, pipeline
-from .auto_batch import AutoBatch, device_memory_gib
+from .auto_batch import AutoBatch, device_memory_gib, host_memory_problem
 from .fp8 import can_run_fp8, convert as fp8_convert, fp8_problems
 from .balance import ExpertBalance
 from .config import ConfigError, Recipe, load_recipe
@@ -103,6 +103,9 @@ def preflight(args: argparse.Namespace, world: World):
         problems += check_corpus(data, tok, batch, dp)  # files, rows, encoding, tokens (a bounded sample)
     if recipe is not None and raw is not None:
         problems += fp8_problems(recipe.train.fp8, raw, device_kind())
+    if ds is not None and "pipeline" not in ds:  # this machine's memory against what the offload keeps there
+        found = host_memory_problem(ds, recipe, world.size, min(world.local_size, world.size))
+        problems += [f"DeepSpeed config {args.deepspeed_config}: {found}"] if found else []
     if ds is not None and recipe.resume:
         found, universal = checkpoint.check_resume(recipe, ds, world.size, world.rank)
         problems += found

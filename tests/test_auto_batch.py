@@ -382,26 +382,34 @@ def test_grpo_auto_divides_the_rollout_batch():
     assert "the reference policy and the rollout decoder 200.0 GiB" in problems[0], problems[0]
 
 
-def test_optimizer_offload_beyond_the_hosts_memory_is_one_line(monkeypatch):
+def test_optimizer_offload_beyond_the_hosts_memory_is_one_line(monkeypatch, capfd, tmp_path):
     """zero3_offload.json keeps half the fp32 optimizer (16 bytes per parameter: master weights, gradients, two
     moments) of each rank's share in host memory: deepseek_5b3 (5.87B at its 129,280 vocabulary) on one rank needs
-    5.87B x 16 x 0.5 = 43.7 GiB; two ranks of one node the same in total (each holds half the share)."""
+    5.87B x 16 x 0.5 = 43.7 GiB; two ranks of one node the same in total (each holds half the share). bin/pretrain.py
+    checks it against the machine's available memory before any rank starts."""
     import re
 
     import engine.auto_batch as ab
+    from engine.pretrain import main
 
     r = load_recipe(RECIPES / "deepseek_5b3.yaml")
-    cfg = read_ds_config(ROOT / "ds_configs" / "zero3_offload.json")
+    offload = ROOT / "ds_configs" / "zero3_offload.json"
+    cfg = read_ds_config(offload)
     need = param_counts(r.model)[0] * 8 / 2**30
     assert ab.host_offload_gib(cfg, r, 1) == pytest.approx(need) and 40 < need < 50
+    assert ab.host_offload_gib(read_ds_config(ZERO3), r, 1) == 0.0
     monkeypatch.setattr(ab, "host_available_gib", lambda: need - 0.5)
     for world, per_node in ((1, 1), (2, 2)):
-        with pytest.raises(ConfigError, match=r"^DeepSpeed config: zero_optimization offload: the \d ranks? of this "
-                                              rf"node would keep {re.escape(f'{need:.1f}')} GiB in host memory .* but "
-                                              rf"{re.escape(f'{need - 0.5:.1f}')} GiB are available; lower "
-                                              r"offload_optimizer.ratio, use more nodes, or zero3_bf16_states.json$"):
-            resolve_ds_config(cfg, r, world, per_node)
-    resolve_ds_config(cfg, r, 2, 1)  # one rank per node: half of it each fits
+        assert re.fullmatch(rf"zero_optimization offload: the {per_node} ranks? of this node would keep "
+                            rf"{re.escape(f'{need:.1f}')} GiB in host memory .* but {re.escape(f'{need - 0.5:.1f}')} "
+                            r"GiB are available; lower offload_optimizer.ratio, use more nodes, or "
+                            r"zero3_bf16_states.json", ab.host_memory_problem(cfg, r, world, per_node))
+    assert ab.host_memory_problem(cfg, r, 2, 1) is None  # one rank per node: half of it each fits
+    p = run_in_process(main, ["--deepspeed_config", str(offload), "--config", str(RECIPES / "deepseek_5b3.yaml"),
+                              "--run_dir", str(tmp_path / "run")], capfd, monkeypatch)
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    assert lines[0].startswith(f"error: DeepSpeed config {offload}: zero_optimization offload: the 1 rank of this "
+                               f"node would keep {need:.1f} GiB"), lines[0]
     monkeypatch.setattr(ab, "host_available_gib", lambda: need + 0.5)
-    resolve_ds_config(cfg, r, 1, 1)
-    assert ab.host_offload_gib(read_ds_config(ZERO3), r, 1) == 0.0
+    assert ab.host_memory_problem(cfg, r, 1, 1) is None
