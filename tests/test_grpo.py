@@ -667,3 +667,26 @@ def test_grpo_takes_the_pretraining_configs_auto_batch(pretrained):
     auto, numbers = ([{k: r[k] for k in keys if k in r} for r in read_metrics(d / run)] for run in ("auto", "written"))
     assert [r["step"] for r in auto] == [0, 1, 2] and auto[-1]["generated_tokens"] > 0
     assert auto == numbers  # bitwise: the same batch, the same run
+
+
+def test_an_auto_batch_grpo_run_resumes_with_its_batch(pretrained):
+    """zero3.json's "auto" batch on --resume keeps the checkpoint's micro-batch and accumulation (an exact resume
+    depends on them); a recipe that now asks for another rollout batch is refused in one line, nothing written."""
+    d = pretrained / "auto_resume"
+    d.mkdir()
+    rows = [json.loads(line) for line in (ASSETS / "arith_train.jsonl").read_text().splitlines()[:6]]
+    (d / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = GRPO_RECIPE.replace("PROMPTS", str(d / "prompts.jsonl")).replace("checkpoint: {at_end: false}",
+                                                                              "checkpoint: {every_steps: 1}")
+    for n in (3, 2):
+        (d / f"p{n}.yaml").write_text(recipe.replace("rollout: KIND", f"rollout: local, prompts_per_step_per_gpu: {n}"))
+    common = ["--deepspeed_config", ZERO3, "--init_from", pretrained / "hf", "--run_dir", d / "run"]
+    run_launcher(1, GRPO, *common, "--config", d / "p3.yaml", "--max_steps", 1, cwd=d)
+    p = run_launcher(1, GRPO, *common, "--config", d / "p2.yaml", "--resume", cwd=d, check=False)
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    assert p.returncode == 2 and len(errors) == 1, p.stderr[-2000:]
+    assert '"auto" kept the checkpoint\'s batch (4 x 3 = 12 sequences per GPU) for an exact resume, but the recipe ' \
+           "now asks for 8 (grpo.prompts_per_step_per_gpu 2 x 4 completions)" in errors[0], errors[0]
+    p = run_launcher(1, GRPO, *common, "--config", d / "p3.yaml", "--resume", cwd=d)
+    assert "the checkpoint's, the same as auto here" in p.stdout
+    assert [r["step"] for r in read_metrics(d / "run") if "loss" in r] == [1, 2]
