@@ -300,7 +300,7 @@ def preflight(args, world: World):
     problems += [f"{where}: {found}"] if found else []
     if problems:
         raise ConfigError("; ".join(problems))
-    if not problems and g.rollout != "engine" and device_kind() == "cuda":
+    if g.rollout != "engine" and device_kind() == "cuda":
         cache_len = decoder_cache_len(prompts + evals, cache_tokens(g))
         problem = decoder_fit_problem(hf_config, model_dtype(ds), per_rank, cache_len,
                                       torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", 0))).total_memory)
@@ -761,7 +761,7 @@ def metrics_row(run: Run, r: Rollouts, scores, reward, stats: dict, phases: dict
     if getattr(run.rollout, "decode_steps", 0):
         row["decode_ms_per_step"] = 1000 * run.rollout.decode_s / run.rollout.decode_steps
     elif r.tree is None:  # another rollout engine: its whole generate call per step of the longest completion
-        longest = _max_all(r.attn[:, r.p_len:].sum(1).max())
+        longest = _sum_all(r.attn[:, r.p_len:].sum(1).max(), dist.ReduceOp.MAX)
         row["rollout_ms_per_step"] = 1000 * r.seconds / max(longest, 1.0)
     if hasattr(run.rollout, "memory_bytes"):
         row["decoder_mem_gib"] = round(run.rollout.memory_bytes() / 2**30, 3)
@@ -916,19 +916,12 @@ def _mean_all(x) -> float:
     return t.item()
 
 
-def _sum_all(x) -> float:
+def _sum_all(x, op=None) -> float:
+    """x summed over the ranks (or reduced with `op`: dist.ReduceOp.MAX)."""
     t = torch.tensor(float(x), dtype=torch.float64)
     if dist.is_initialized():
         t = t.to(_device())
-        dist.all_reduce(t)
-    return t.item()
-
-
-def _max_all(x) -> float:
-    t = torch.tensor(float(x), dtype=torch.float64)
-    if dist.is_initialized():
-        t = t.to(_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
     return t.item()
 
 
