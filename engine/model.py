@@ -99,13 +99,22 @@ def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, mm_config, config) -> torch.Tensor:
+    """torchao Float8Linear's matmul (the casts of input and weight to FP8 with their scales, and the FP8 GEMM; its
+    backward the same for the gradients): compiled, the amax, scale and cast of each operand fuse into one kernel."""
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+    return matmul_with_hp_or_float8_args.apply(x, weight.t(), mm_config, config)
+
+
 def compile_parameter_free(model: torch.nn.Module) -> list[str]:
     """torch.compile the parameter-free arithmetic of the model's layers, leaving every module call eager.
 
     Compiling a module under ZeRO-3 traces DeepSpeed's gather/release hooks, and DeepSpeed will not compile around
     AutoEP there; plain functions have no hooks. Compiled here (each the same arithmetic as transformers' code): each
     RMSNorm's math, with its weight passed in after ZeRO-3's hook has gathered it; silu(gate) * up of the dense MLP
-    and the shared experts; the rotary embedding. Eager ops read and write the whole activation once per op (RMSNorm
+    and the shared experts; the rotary embedding; train.fp8's Float8Linear matmul (engine/fp8.py; eager, the amax,
+    scale and cast of each operand are separate passes, forward and backward). Eager ops read and write the whole activation once per op (RMSNorm
     alone is seven passes, in fp32); each compiled function is one fused kernel forward and one backward. Only calls
     made with autograd on use the compiled code: evaluation and decoding (no_grad, or inside another torch.compile)
     run transformers' eager code. Returns what was patched.
@@ -133,6 +142,12 @@ def compile_parameter_free(model: torch.nn.Module) -> list[str]:
     def mlp_forward(self, x):
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
+    fp8_mm = None
+
+    def fp8_forward(self, x):
+        out = fp8_mm(x, self.weight, self.linear_mm_config, self.config)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
     done = set()
     for module in model.modules():
         kind = type(module).__name__
@@ -143,6 +158,10 @@ def compile_parameter_free(model: torch.nn.Module) -> list[str]:
               and type(getattr(module, "act_fn", None)).__name__ in ("SiLUActivation", "SiLU")):
             module.forward = types.MethodType(mlp_forward, module)
             done.add(f"{kind} (silu(gate) * up)")
+        elif kind == "Float8Linear" and hasattr(module, "linear_mm_config"):
+            fp8_mm = fp8_mm or training(torch.compile(_fp8_linear), _fp8_linear)
+            module.forward = types.MethodType(fp8_forward, module)
+            done.add("Float8Linear (fp8 casts and GEMM)")
     # The attention code calls the rotary functions as globals of its own module: patched there, for this process.
     hf_module = sys.modules[type(model).__module__]
     for name in ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave"):

@@ -152,3 +152,41 @@ def test_grpo_refuses_fp8_in_one_line(tmp_path, capfd, monkeypatch):
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert p.returncode == 2 and len(lines) == 1, p.stderr
     assert "train.fp8 (dense): bin/pretrain.py only so far" in lines[0], lines[0]
+
+
+def test_zero3_compiled_fp8_matmul_is_float8_linears_math(monkeypatch):
+    """Under ZeRO-3 on CUDA the Float8Linear matmul runs compiled (engine/model.py compile_parameter_free): the
+    wrapper around it gives exactly the loss and gradients of torchao's own Float8Linear.forward (emulated here; the
+    compile itself, 11 s of inductor on a CPU, is left to the GPU runs, docs/bench/fp8_gpu.sh)."""
+    import copy
+
+    from engine.config import load_recipe
+    from engine.fp8 import convert
+    from engine.model import compile_parameter_free, make_hf_config
+    from transformers import AutoModelForCausalLM
+
+    m = load_recipe(None, {"model.hidden_size": 64, "model.intermediate_size": 128, "model.moe_intermediate_size": 32,
+                           "model.num_layers": 2, "model.first_dense_layers": 1}).model
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(make_hf_config(m))
+    convert(ref, "dense", "cpu")
+    patched = copy.deepcopy(ref)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # the same function, eagerly
+    hf_module = __import__("sys").modules[type(patched).__module__]
+    for name in ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave"):  # patched module-wide: restored after
+        if hasattr(hf_module, name):
+            monkeypatch.setattr(hf_module, name, getattr(hf_module, name))
+    done = compile_parameter_free(patched)
+    assert "Float8Linear (fp8 casts and GEMM)" in done
+    assert all(type(mod).forward is not mod.forward for mod in patched.modules() if type(mod).__name__ == "Float8Linear")
+    x = torch.randint(0, m.vocab_size, (2, 16))
+    outs = []
+    for model in (ref, patched):
+        loss = model(x, labels=x).loss
+        loss.backward()
+        outs.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (l0, g0), (l1, g1) = outs
+    assert g0.keys() == g1.keys() and len(g0) > 10
+    assert torch.equal(l0, l1), (l0, l1)
+    for n in g0:
+        assert torch.equal(g0[n], g1[n]), n

@@ -8,7 +8,8 @@
 # flops_per_token below), peak memory, loss at the first and last step, the GRPO step and decode ms per step.
 #   bash docs/bench/families_gpu.sh     (on the GPU machine, from the checkout, with .whl/ carried; about 4 minutes a
 #   family: split RECIPES over two 10-minute calls)
-# Switches: RECIPES, PT_STEPS, GRPO_STEPS, T_PT / T_GRPO (timeouts, s), PT_DS (pretraining DeepSpeed config), SKIP_GRPO=1.
+# Switches: RECIPES, PT_STEPS, GRPO_STEPS, T_PT / T_GRPO (timeouts, s), PT_DS (pretraining DeepSpeed config),
+# SKIP_GRPO / SKIP_PT: 1 (every recipe) or the recipe names whose GRPO / pretraining part to skip.
 # Files: $OUT/<recipe>_pretrain.jsonl, $OUT/<recipe>_grpo.jsonl (metrics rows), $OUT/families.md (table), logs.tgz.
 # CPU smoke test: RECIPES="tiny_mixtral tiny_deepseek_v2 qwen3_5_35b_a3b_l4" PT_STEPS=4 GRPO_STEPS=1 MAX_NEW=8 \
 #   QWEN_OVERRIDES='{"hidden_size": 64, "num_experts": 8, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
@@ -60,14 +61,17 @@ if sys.argv[3]:
 r["checkpoint"] = {"every_steps": 0, "every_minutes": 0, "at_end": False}
 yaml.safe_dump(r, open(sys.argv[2], "w"), sort_keys=False)
 PY
+  skips() { [ "$1" = 1 ] || [[ " $1 " == *" $rec "* ]]; }
   t=$SECONDS; port=$((port + 1)); rm -rf $W/run_$rec $W/grpo_run_$rec
+  if ! skips "${SKIP_PT:-}"; then
   timeout -k 15 ${T_PT:-240} $DS --master_port $port --num_gpus ${GPUS:-1} bin/pretrain.py --deepspeed_config ${PT_DS:-ds_configs/zero2.json} \
     --config $recipe --max_steps ${PT_STEPS:-20} --run_dir $W/run_$rec > $W/logs/pretrain_$rec.log 2>&1
   echo "$rec pretrain: exit $? in $((SECONDS - t))s $(grep -m1 -oE 'OutOfMemoryError|Error: .{0,160}|error: .{0,200}' $W/logs/pretrain_$rec.log)"
   cp $W/run_$rec/metrics.jsonl "$OUT/${rec}_pretrain.jsonl" 2>/dev/null
+  fi
   # GRPO from a random init of the same model (its speed does not depend on the weights; a 4.6B run's checkpoint with
   # fp32 Adam states would not fit this machine's disk)
-  [ "${SKIP_GRPO:-0}" = 1 ] && continue
+  skips "${SKIP_GRPO:-}" && continue
   init=$W/init_$rec
   if [ "$rec" = qwen3_5_35b_a3b_l4 ]; then init=$W/qwen3_5_l4; else
     python3 docs/bench/save_random_model.py --config $recipe --out $init 2>&1 | tail -1; fi

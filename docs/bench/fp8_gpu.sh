@@ -5,6 +5,7 @@
 # both at every step. Needs torchao importable (in .whl/: ../shared/tools/offline-wheels.sh trl==1.16.0
 # torchao==0.18.0; 0.18.0 needs torch >= 2.11, which the GPU image has); prints the versions it ran with.
 #   bash docs/bench/fp8_gpu.sh   (on the GPU machine, from the checkout, .whl/ carried; ~4 runs x 2-3 min)
+# MODES ("false dense"): the train.fp8 values to run.
 # Files: $OUT/fp8_<config>_<mode>.jsonl (metrics rows), $OUT/fp8.md (table), $OUT/logs.tgz.
 set -u
 OUT=${OUT:-/tmp/fp8}; W=/tmp/fp8w; mkdir -p "$OUT" $W/logs
@@ -22,7 +23,7 @@ for mode in false dense; do
 done
 port=29900
 for cfg in ${CONFIGS:-zero2.json zero3.json}; do
-  for mode in false dense; do
+  for mode in ${MODES:-false dense}; do
     port=$((port + 1)); name=${cfg%.json}_$mode; t=$SECONDS; rm -rf $W/$name
     timeout -k 15 ${T_RUN:-240} python3 -m deepspeed.launcher.runner --master_port $port --num_gpus 1 bin/pretrain.py \
       --deepspeed_config ds_configs/$cfg --config $W/$mode.yaml --max_steps ${STEPS:-30} --run_dir $W/$name \

@@ -5,7 +5,8 @@
 # the table: medians over steps 2..N of each mode's step, policy (forward + backward + step) and ref times.
 #   bash docs/bench/replay_alternate.sh     (on the GPU machine, from the checkout, with .whl/ carried)
 # Files: $OUT/alt_<config>.jsonl (rows), $OUT/alternate.md (table).
-# SCRIPT=docs/bench/pack_alternate.py: the same with packing of the train passes switched instead (off: plain).
+# SCRIPT=docs/bench/pack_alternate.py: the same with packing of the train passes switched instead (off: plain); with
+# FREE_LENGTH=1 the completions end at EOS (otherwise all are forced to max_new_tokens, and there is nothing to pack).
 set -u
 OUT=${OUT:-/tmp/replay_alt}; W=/tmp/ra; mkdir -p "$OUT" $W
 export TORCH_CUDA_ARCH_LIST=9.0 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
@@ -14,13 +15,14 @@ if ! python3 -c "import deepspeed" 2>/dev/null; then
   export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
 fi
 RECIPE=${RECIPE:-engine/recipes/grpo_2b6.yaml}
-python3 - "$RECIPE" $W/recipe.yaml "${REPLAY:-r3}" <<'PY'
+python3 - "$RECIPE" $W/recipe.yaml "${REPLAY:-r3}" "${FREE_LENGTH:-0}" <<'PY'
 import sys, yaml
 r = yaml.safe_load(open(sys.argv[1]))
 g = r.setdefault("grpo", {})
 g.update(beta=0.04, kl="k3", rewards=[{"name": "numeric", "weight": 1.0, "which": "first"}],
          routing_replay=sys.argv[3])
-g["min_new_tokens"] = g.get("max_new_tokens", 8)
+if sys.argv[4] != "1":  # every completion max_new_tokens long, as TRL's runs in grpo_vs_trl.sh
+    g["min_new_tokens"] = g.get("max_new_tokens", 8)
 g.pop("eval_path", None)
 r["checkpoint"] = {"every_steps": 0, "every_minutes": 0, "at_end": False}
 yaml.safe_dump(r, open(sys.argv[2], "w"), sort_keys=False)
