@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The seed scale on an 80 GB GPU (an H200 capped with --memory_fraction 0.5596): deepseek_5b3 (vocabulary 129,280)
+# through bin/bench.py with each way DeepSpeed 0.19.8 offers to keep the fp32 Adam states off the GPU, one row each:
+#   bf16_states   zero3_bf16_states.json (bf16 master weights and moments on the GPU: what the refusal names today)
+#   ratio05       zero3_offload.json as shipped (half the optimizer on the CPU)
+#   ratio03/07    the same with offload_optimizer.ratio 0.3 / 0.7
+#   superoffload  ZeRO-3 with offload_optimizer.super_offload (DeepSpeed's SuperOffload)
+#   zenflow       ZeRO-2, optimizer on the CPU, zero_optimization.zenflow (the top 5% of gradient columns updated on the
+#                 GPU every step, the rest on the CPU every 4 steps, overlapped with the next steps)
+# "auto" micro-batch where the file has it (chosen for the capped memory); STEPS (6) steps after WARMUP (2).
+#   bash docs/bench/offload_80gb.sh      (on the GPU machine, from the checkout, .whl/ carried; ~3 min a row:
+#   split RUNS over two 10-minute calls, e.g. RUNS="bf16_states ratio05 zenflow" and "ratio03 ratio07 superoffload")
+# RECIPE and MEMORY_FRACTION change the model and the cap (a CPU smoke test: RECIPE=engine/recipes/tiny.yaml STEPS=2
+# WARMUP=1 RUNS="zenflow superoffload").
+# Files: $OUT/offload.jsonl (bench rows), $OUT/logs.tgz.
+set -u
+OUT=${OUT:-/tmp/offload}; W=/tmp/off; mkdir -p "$OUT" $W/logs
+export TORCH_CUDA_ARCH_LIST=9.0 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+if ! python3 -c "import deepspeed" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
+fi
+args() {  # one argument per line
+  local auto="--ds_set
+train_micro_batch_size_per_gpu=auto
+--ds_set
+gradient_accumulation_steps=auto"
+  case $1 in
+    bf16_states) printf '%s\n' --deepspeed_config ds_configs/zero3_bf16_states.json ;;
+    ratio05) printf '%s\n' --deepspeed_config ds_configs/zero3_offload.json "$auto" ;;
+    ratio03|ratio07) printf '%s\n' --deepspeed_config ds_configs/zero3_offload.json "$auto" --ds_set \
+      "zero_optimization.offload_optimizer.ratio=0.${1#ratio0}" ;;
+    superoffload) printf '%s\n' --deepspeed_config ds_configs/zero3.json --ds_set \
+      "zero_optimization.offload_optimizer={device: cpu, pin_memory: true, super_offload: true}" ;;
+    zenflow) printf '%s\n' --deepspeed_config ds_configs/zero2.json --ds_set \
+      "zero_optimization.offload_optimizer={device: cpu, pin_memory: true}" --ds_set \
+      "zero_optimization.zenflow={topk_ratio: 0.05, select_strategy: auto, select_interval: auto, update_interval: 4, overlap_step: true}" ;;
+    *) echo "unknown run $1" >&2; return 1 ;;
+  esac
+}
+port=29600
+for run in ${RUNS:-bf16_states ratio05 ratio03 ratio07 superoffload zenflow}; do
+  port=$((port + 1)); t=$SECONDS
+  mapfile -t extra < <(args $run)
+  timeout -k 15 ${T_RUN:-270} python3 -m deepspeed.launcher.runner --master_port $port --num_gpus 1 bin/bench.py \
+    --config ${RECIPE:-engine/recipes/deepseek_5b3.yaml} --memory_fraction ${MEMORY_FRACTION:-0.5596} --steps ${STEPS:-6} --warmup ${WARMUP:-2} \
+    --label $run --out "$OUT/offload.jsonl" "${extra[@]}" > $W/logs/$run.log 2>&1
+  echo "$run: exit $? in $((SECONDS - t))s $(grep -m1 -oE 'batch: .{0,90}' $W/logs/$run.log) $(grep -m1 -oE 'OutOfMemoryError|Error: .{0,200}|error: .{0,200}' $W/logs/$run.log)"
+done
+python3 -c "import sys, json; sys.path.insert(0, 'bin'); from bench import print_table
+print_table([json.loads(l) for l in open(sys.argv[1])])" "$OUT/offload.jsonl"
+tar czf "$OUT/logs.tgz" -C $W logs
