@@ -17,11 +17,7 @@
 #   "linear_key_head_dim": 16, "linear_value_head_dim": 16}' bash docs/bench/families_gpu.sh
 set -u
 OUT=${OUT:-/tmp/families}; W=/tmp/fam; mkdir -p "$OUT" $W/logs
-export TORCH_CUDA_ARCH_LIST=9.0 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-if ! python3 -c "import deepspeed" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
-fi
+. docs/bench/gpu_env.sh deepspeed
 DS="python3 -m deepspeed.launcher.runner"
 port=29800
 # qwen3_5_35b_a3b_l4: Qwen3.5-35B-A3B's text model as transformers' Qwen3_5MoeTextConfig defaults describe it (hidden
@@ -48,6 +44,7 @@ yaml.safe_dump({"model": {"init_from": out}, "data": {"seq_len": 2048 if not ove
                 "run_dir": "runs/qwen3_5_35b_a3b_l4"}, open(recipe, "w"), sort_keys=False)
 PY
 }
+skips() { [ "$1" = 1 ] || [[ " $1 " == *" $rec "* ]]; }  # SKIP_PT / SKIP_GRPO name this recipe (or are 1)
 for rec in ${RECIPES:-mixtral_8x7b_l3 deepseek_v2_lite_l8 qwen3_5_35b_a3b_l4}; do
   recipe=engine/recipes/$rec.yaml
   if [ "$rec" = qwen3_5_35b_a3b_l4 ]; then make_qwen 2>&1 | tail -1; recipe=$W/$rec.yaml; fi
@@ -61,7 +58,6 @@ if sys.argv[3]:
 r["checkpoint"] = {"every_steps": 0, "every_minutes": 0, "at_end": False}
 yaml.safe_dump(r, open(sys.argv[2], "w"), sort_keys=False)
 PY
-  skips() { [ "$1" = 1 ] || [[ " $1 " == *" $rec "* ]]; }
   t=$SECONDS; port=$((port + 1)); rm -rf $W/run_$rec $W/grpo_run_$rec
   if ! skips "${SKIP_PT:-}"; then
   timeout -k 15 ${T_PT:-240} $DS --master_port $port --num_gpus ${GPUS:-1} bin/pretrain.py --deepspeed_config ${PT_DS:-ds_configs/zero2.json} \

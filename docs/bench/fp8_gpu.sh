@@ -9,11 +9,7 @@
 # Files: $OUT/fp8_<config>_<mode>.jsonl (metrics rows), $OUT/fp8.md (table), $OUT/logs.tgz.
 set -u
 OUT=${OUT:-/tmp/fp8}; W=/tmp/fp8w; mkdir -p "$OUT" $W/logs
-export TORCH_CUDA_ARCH_LIST=9.0 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-if ! python3 -c "import deepspeed" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
-fi
+. docs/bench/gpu_env.sh deepspeed
 python3 -c "import torch, torchao; print('torch', torch.__version__, 'torchao', torchao.__version__, torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))"
 RECIPE=${RECIPE:-deepseek_2b6}
 for mode in false dense; do

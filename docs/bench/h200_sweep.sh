@@ -25,11 +25,7 @@ set -u
 OUT=${OUT:-/tmp/bench_out}
 LOGS=$OUT/logs  # one log per run, packed into $OUT/logs_<phase>.tgz at the end (the device returns 8 files)
 mkdir -p "$LOGS"
-if ! python3 -c "import deepspeed" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
-  export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
-fi
-export NCCL_NVLS_ENABLE=0 TORCH_CUDA_ARCH_LIST=9.0   # 9.0a breaks DeepSpeed's op builds (FusedAdam)
+. docs/bench/gpu_env.sh deepspeed
 DS="python3 $(command -v deepspeed)"
 REF=engine/recipes/deepseek_2b6.yaml
 

@@ -15,11 +15,7 @@
 # Files: $OUT/offload.jsonl (bench rows), $OUT/logs.tgz.
 set -u
 OUT=${OUT:-/tmp/offload}; W=/tmp/off; mkdir -p "$OUT" $W/logs
-export TORCH_CUDA_ARCH_LIST=9.0 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-if ! python3 -c "import deepspeed" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
-fi
+. docs/bench/gpu_env.sh deepspeed
 args() {  # one argument per line
   local auto="--ds_set
 train_micro_batch_size_per_gpu=auto

@@ -9,11 +9,7 @@
 # FREE_LENGTH=1 the completions end at EOS (otherwise all are forced to max_new_tokens, and there is nothing to pack).
 set -u
 OUT=${OUT:-/tmp/replay_alt}; W=/tmp/ra; mkdir -p "$OUT" $W
-export TORCH_CUDA_ARCH_LIST=9.0 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-if ! python3 -c "import deepspeed" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
-fi
+. docs/bench/gpu_env.sh deepspeed
 RECIPE=${RECIPE:-engine/recipes/grpo_2b6.yaml}
 python3 - "$RECIPE" $W/recipe.yaml "${REPLAY:-r3}" "${FREE_LENGTH:-0}" <<'PY'
 import sys, yaml

@@ -178,39 +178,25 @@ def _walk(obj, seen=None):
             yield from _walk(x, seen)
 
 
-def count_titan(model, hf, seq_len: int) -> dict:
-    """bench.py's count on torchtitan's parameter names: routed experts are GroupedExperts' w1/w2/w3 tensors."""
+TITAN_NAMES = ((".experts.", "inner_experts"), "tok_embeddings")  # torchtitan: GroupedExperts' w1/w2/w3, its embedding
+HF_NAMES = ((".experts.",), "embed_tokens")  # transformers'
+
+
+def count(model, hf, seq_len: int, names) -> dict:
+    """bench.py's count (model_flops_per_token) by parameter name: names = (routed-expert substrings, the embedding's
+    substring), TITAN_NAMES or HF_NAMES."""
+    experts, embedding = names
     total = active = embed = 0
     E, k = hf.n_routed_experts, hf.num_experts_per_tok
     for name, p in model.named_parameters():
         n = p.numel()
         total += n
-        if ".experts." in name or "inner_experts" in name:
+        if any(e in name for e in experts):
             active += n * k / E
-        elif "tok_embeddings" in name:
+        elif embedding in name:
             embed += n
         else:
             active += n
-    return _flops(total, active, embed, hf, seq_len)
-
-
-def count_hf(model, hf, seq_len: int) -> dict:
-    """bench.py's count (model_flops_per_token) on transformers' names."""
-    total = active = embed = 0
-    E, k = hf.n_routed_experts, hf.num_experts_per_tok
-    for name, p in model.named_parameters():
-        n = p.numel()
-        total += n
-        if ".experts." in name:
-            active += n * k / E
-        elif "embed_tokens" in name:
-            embed += n
-        else:
-            active += n
-    return _flops(total, active, embed, hf, seq_len)
-
-
-def _flops(total, active, embed, hf, seq_len):
     heads = hf.num_attention_heads
     qk = hf.qk_nope_head_dim + hf.qk_rope_head_dim
     attn = 3 * hf.num_hidden_layers * 2 * seq_len * heads * (qk + hf.v_head_dim)
@@ -227,7 +213,7 @@ def hf_meta_counts(recipe, tok, seq_len):
     hf = make_hf_config(recipe.model, tok)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf)
-    return hf, count_hf(model, hf, seq_len)
+    return hf, count(model, hf, seq_len, HF_NAMES)
 
 
 def main() -> int:
@@ -288,7 +274,7 @@ def main() -> int:
 
     with torch.device("meta"):
         meta_model = mcfg.build()
-    titan = count_titan(meta_model, hf, seq)
+    titan = count(meta_model, hf, seq, TITAN_NAMES)
     del meta_model
     print(f"params ours (HF, meta): total {ours['total']:,}, active non-embedding {ours['active_non_embedding']:,}, "
           f"embedding {ours['embedding']:,}", flush=True)

@@ -27,11 +27,7 @@
 # Files: $OUT/pair.jsonl (bench.py rows and torchtitan rows), $OUT/pair.md (table), $OUT/logs.tgz.
 set -u
 OUT=${OUT:-/tmp/titan_pair}; W=/tmp/titan_pairw; mkdir -p "$OUT" $W/logs
-export TORCH_CUDA_ARCH_LIST=9.0 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-if ! python3 -c "import deepspeed, torchtitan" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
-fi
+. docs/bench/gpu_env.sh deepspeed torchtitan
 python3 -c "import torch, deepspeed, torchtitan, transformers; print('torch', torch.__version__, 'deepspeed', \
 deepspeed.__version__, 'torchtitan', torchtitan.__version__, 'transformers', transformers.__version__, \
 torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')" || exit 1

@@ -13,11 +13,7 @@
 # Rows: $OUT/vocab_pretrain.jsonl; logs: $OUT/vocab_pretrain_logs.txt; bench table: $OUT/vocab_bench.jsonl.
 set -u
 OUT=${OUT:-/tmp/vocab_pretrain}; mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-if ! python3 -c "import deepspeed" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
-fi
+. docs/bench/gpu_env.sh deepspeed
 STEPS=${STEPS:-10}; LOG=$OUT/vocab_pretrain_logs.txt; PORT=29700; END=$((SECONDS + ${BUDGET_S:-560}))
 python3 -c "from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load()" > /dev/null 2>&1
 mkdir -p /tmp/vp
