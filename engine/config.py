@@ -109,7 +109,8 @@ class TrainConfig:
     fp8: bool | str = False
     """false | dense: the attention projections, shared experts and dense MLPs in FP8 through torchao's Float8Linear
     (engine/fp8.py; pip install -e ".[fp8]"); the output layer, routers and routed experts stay in the model's dtype;
-    weights, checkpoints and exports are unchanged. all (routed experts too) is not built yet."""
+    weights, checkpoints and exports are unchanged. all: the routed experts too, through torchao's FP8 rowwise grouped
+    GEMM (AutoEP's experts; the output layer and routers stay in the model's dtype)."""
     compile: bool | str = "auto"
     """torch.compile through DeepSpeed (engine.compile()) of the layers around the AutoEP blocks (DS config
     "compile": {"autoep_non_moe": true}; routing and experts stay eager). auto: on for CUDA runs whose DS config

@@ -14,7 +14,7 @@ import torch
 
 from . import checkpoint, pipeline
 from .auto_batch import AutoBatch, device_memory_gib, host_memory_problem
-from .fp8 import can_run_fp8, convert as fp8_convert, fp8_problems
+from .fp8 import can_run_fp8, convert as fp8_convert, convert_experts as fp8_experts, fp8_problems
 from .balance import ExpertBalance
 from .config import ConfigError, Recipe, load_recipe
 from .data import ReadAhead, build_data, load_tokenizer, to_device
@@ -168,13 +168,17 @@ def build(recipe: Recipe, ds: dict, tok, world: World):
         device = None if zero_stage(ds) == 3 else get_accelerator().current_device_name()  # ZeRO-3: zero.Init places it
         model = build_model(recipe.model, ds, tok, dtype=model_dtype(ds), device=device)
         if recipe.train.fp8:
-            kind = get_accelerator().device_name()
-            names = fp8_convert(model, recipe.train.fp8, kind)
-            print0(f"fp8: {len(names)} linear layers in FP8 ({'FP8 GEMMs' if can_run_fp8(kind) else 'emulated'}); "
-                   "the output layer, routers and routed experts in the model's dtype")
+            names = fp8_convert(model, recipe.train.fp8, get_accelerator().device_name())
         if recipe.train.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine = build_engine(model, ds, recipe.train)
+    if recipe.train.fp8:  # the routed experts exist once deepspeed.initialize has swapped in AutoEP's layers
+        kind = get_accelerator().device_name()
+        experts = fp8_experts(engine.module, kind) if recipe.train.fp8 == "all" else []
+        what = f" and the routed experts of {len(experts)} MoE layers" if experts else ""
+        rest = "the output layer and routers" if experts else "the output layer, routers and routed experts"
+        print0(f"fp8: {len(names)} linear layers{what} in FP8 ({'FP8 GEMMs' if can_run_fp8(kind) else 'emulated'}); "
+               f"{rest} in the model's dtype")
     if wants_compile(recipe, ds):
         engine.compile()
         compile_outside_autoep(engine.module)

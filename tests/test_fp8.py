@@ -1,6 +1,7 @@
-"""train.fp8 (engine/fp8.py) on CPU ranks, where torchao emulates the FP8 GEMMs with the same quantization: which
-layers convert, that FP8 changes the numerics, 2 ranks (ZeRO-3 + EP 2) against 1, a resume without FP8, the export,
-and the refusals."""
+"""train.fp8 (engine/fp8.py) on CPU ranks, where torchao emulates the dense FP8 GEMMs with the same quantization and
+engine/fp8.py emulates the routed experts' FP8 grouped GEMM: which layers convert, that FP8 changes the numerics by
+its rounding and no more, 2 ranks (ZeRO-3 + EP 2) against 1, a resume without FP8, the export, and the refusals. On
+a CUDA machine also torchao's real FP8 grouped GEMM against the emulation."""
 import json
 
 import numpy as np
@@ -17,7 +18,7 @@ RECIPE = """
 model: {arch: deepseek_v3, hidden_size: 128, num_layers: 2, num_heads: 4, intermediate_size: 256,
         moe_intermediate_size: 128, num_experts: 8, experts_per_token: 2, num_shared_experts: 1,
         vocab_size: 512, max_position_embeddings: 512, first_dense_layers: 1}
-data: {seq_len: 32}
+data: {seq_len: 32, path: DATA}
 train: {max_steps: 4, warmup_steps: 1, log_every: 1, fp8: FP8}
 checkpoint: {every_steps: 2}
 """
@@ -63,21 +64,146 @@ def test_dense_converts_attention_shared_experts_and_dense_mlps_only():
         assert 1e-4 < diff < 0.2 * before.abs().max().item(), (arch, diff)
 
 
+def grouped_case(dtype=torch.float32, device="cpu", seed=0):
+    """Rows for 5 experts in aligned groups of 16, 0, 32, 16 and 16 rows, weights (E, K, N) column-major as AutoEP
+    passes them, and an output gradient, with x2^20 outliers along each scale axis, one GEMM's worth per group: a
+    row of the input (group 0: the forward's row scales), a weight column (expert 2: the forward's column scales), a
+    row of the output gradient and of the weight (group 3: the input gradient's), a column of the input and of the
+    output gradient (group 4: the weight gradient's per-group column scales). FP8's range (2^-9 to 448 of a scale)
+    flushes the rest of a slice that shares its scale with an outlier; with the right axes none does."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(80, 32, generator=g)
+    b_t = torch.randn(5, 48, 32, generator=g).transpose(-2, -1)  # (E, K=32, N=48), strides (K*N, 1, K)
+    grad_out = torch.randn(80, 48, generator=g)
+    big = 2.0 ** 20
+    a[5] *= big
+    b_t[2, :, 7] *= big
+    grad_out[60] *= big
+    b_t[3, 9, :] *= big
+    a[64:, 3] *= big
+    grad_out[64:, 11] *= big
+    offs = torch.tensor([16, 16, 48, 64, 80], dtype=torch.int32, device=device)
+    return (a.to(device, dtype).requires_grad_(), b_t.to(device, dtype).detach().requires_grad_(), offs,
+            grad_out.to(device, dtype))
+
+
+def grouped_reference(a, b_t, offs, grad_out):
+    """The exact grouped GEMM (fp64), forward and both gradients, and the same of the operands' absolute values:
+    the scale FP8's error is relative to (a sum of products rounded per operand, not its possibly cancelled result)."""
+    res = []
+    for f in (lambda t: t, torch.abs):
+        x, w = f(a.detach()).double().requires_grad_(), f(b_t.detach()).double().requires_grad_()
+        out = torch.cat([x[s:e] @ w[i] for i, (s, e) in enumerate(zip([0] + offs.tolist()[:-1], offs.tolist()))])
+        out.backward(f(grad_out).double())
+        res.append((out.detach(), x.grad, w.grad))
+    return res
+
+
+def rel_err(x, ref, mag):
+    """Largest error relative to the sum of the absolute products that made the element."""
+    return ((x.double() - ref).abs() / mag.clamp(min=1e-30)).max().item()
+
+
+def fp8_grouped_results(mm, a, b_t, offs, grad_out):
+    out = mm(a, b_t, offs, a.dtype)
+    out.backward(grad_out)
+    return out.detach(), a.grad, b_t.grad
+
+
+def test_emulated_fp8_grouped_gemm_rounds_like_fp8_with_row_and_column_scales():
+    from engine.fp8 import emulated_grouped_mm
+
+    a, b_t, offs, grad_out = grouped_case()
+    got = fp8_grouped_results(emulated_grouped_mm, a, b_t, offs, grad_out)
+    ref, mag = grouped_reference(a, b_t, offs, grad_out)
+    # e4m3 keeps 3 mantissa bits (relative rounding <= 1/16 per operand): each element within 1/8 of the absolute
+    # products it sums despite the outliers, and FP8 is really on (fp32 would agree to ~1e-7)
+    for x, r, m in zip(got, ref, mag):
+        assert 1e-3 < rel_err(x, r, m) < 0.125, rel_err(x, r, m)
+    assert torch.equal(got[2][1], torch.zeros_like(got[2][1]))  # expert 1 got no rows
+
+
+def test_all_converts_the_routed_experts_of_autoep_only():
+    """convert_experts swaps AutoEP's GroupedExperts forward for the FP8 one (both dimensions multiples of 16 only)
+    and raises DeepSpeed's token-group alignment to 16; the weights stay the module's parameters."""
+    from deepspeed.moe import ep_kernels
+    from deepspeed.moe.ep_experts import GroupedExperts, _run_experts_for_loop
+
+    from engine.fp8 import convert_experts
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"ok": GroupedExperts(32, 48, 5), "odd": GroupedExperts(24, 48, 5),
+                                 "lin": torch.nn.Linear(32, 32)})
+    for prm in model.parameters():
+        torch.nn.init.normal_(prm, std=0.1)
+    offs = grouped_case()[2]
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    x = torch.randn(int(offs[-1]), 32)
+    ok = model["ok"]
+    before = _run_experts_for_loop(ok.w1, ok.w2, ok.w3, x, counts)  # bf16 GroupedExperts' math, plain PyTorch
+    params = [id(prm) for prm in model.parameters()]
+    align = ep_kernels.TOKEN_GROUP_ALIGN_SIZE_M
+    try:
+        assert convert_experts(model, "cpu") == ["ok"]
+        assert ep_kernels.TOKEN_GROUP_ALIGN_SIZE_M == 16
+    finally:
+        ep_kernels.TOKEN_GROUP_ALIGN_SIZE_M = align
+    assert [id(prm) for prm in model.parameters()] == params
+    assert type(model["odd"]).forward is model["odd"].forward.__func__
+    after = model["ok"](x, counts)
+    rel = ((after - before).abs().max() / before.abs().max()).item()
+    assert 1e-3 < rel < 0.1, rel
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="torchao's FP8 grouped GEMM needs a CUDA GPU with FP8 tensor cores")
+def test_torchao_fp8_grouped_gemm_is_the_emulation_on_a_gpu():
+    """On the GPU train.fp8 all runs torchao's kernels; the CPU tests run engine/fp8.py's emulation. Both quantize to
+    the same e4m3 values with the same scales, so they differ by accumulation order and bf16 output rounding only:
+    well below either's distance from the exact product."""
+    from engine.fp8 import emulated_grouped_mm, fp8_grouped_mm
+
+    res = {}
+    for name, mm, device in (("gpu", fp8_grouped_mm, "cuda"), ("emu", emulated_grouped_mm, "cpu")):
+        a, b_t, offs, grad_out = grouped_case(torch.bfloat16, device)
+        res[name] = [t.cpu() for t in fp8_grouped_results(mm, a, b_t, offs, grad_out)]
+    ref, mag = grouped_reference(*grouped_case(torch.bfloat16))
+    for i in range(3):
+        gap, fp8_err = rel_err(res["gpu"][i], res["emu"][i].double(), mag[i]), rel_err(res["emu"][i], ref[i], mag[i])
+        assert gap < 0.25 * fp8_err, (i, gap, fp8_err)
+
+
+def alike_windows(path, seq_len: int = 32):
+    """A corpus whose packed windows are all the same sequence: 64 copies of a document of seq_len - 1 tokens (+ EOS).
+    FP8's scales are taken over what one GEMM sees (a micro-batch's tensor, the rows an expert received from every
+    rank of its group), so 1 rank and 2 quantize alike only where their batches hold alike data."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ROOT / "engine" / "assets" / "tokenizer")
+    text = json.loads((ROOT / "engine" / "assets" / "corpus.jsonl").open().readline())["text"]
+    doc = tok.decode(tok(text)["input_ids"][:seq_len - 1])
+    assert len(tok(doc)["input_ids"]) == seq_len - 1
+    path.write_text("".join(json.dumps({"text": doc}) + "\n" for _ in range(64)))
+    return path
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """FP8 dense, fp32 masters: 1 rank x micro 1 x accumulation 2 and 2 ranks (ZeRO-3, expert parallel 2) x micro 1:
-    the same micro-batches (tensorwise scales are taken per micro-batch, so each is quantized alike), the same
-    global batch. And the same 1-rank run without FP8."""
+    """FP8 all (dense linears and routed experts), fp32 masters: 1 rank x micro 2 and 2 ranks (ZeRO-3, expert
+    parallel 2) x micro 1, the same global batch, every window alike (alike_windows): each dense GEMM quantizes a
+    tensor alike on both, and each expert's grouped GEMM gets the same rows (on 2 ranks from both). And the same
+    1-rank run without FP8."""
     tmp = tmp_path_factory.mktemp("fp8")
+    data = alike_windows(tmp / "alike.jsonl")
     out = {}
-    for name, ranks, accum, fp8 in (("one", 1, 2, "dense"), ("two", 2, 1, "dense"), ("bf", 1, 2, "false")):
+    for name, ranks, micro, fp8 in (("one", 1, 2, "all"), ("two", 2, 1, "all"), ("bf", 1, 2, "false")):
         d = tmp / name
         d.mkdir()
-        (d / "recipe.yaml").write_text(RECIPE.replace("FP8", fp8))
-        run_ranks(ranks, PROBE, "--out", d / "out", "--deepspeed_config", fp32_ds(d / "ds.json", 1, accum),
+        (d / "recipe.yaml").write_text(RECIPE.replace("FP8", fp8).replace("DATA", str(data)))
+        run_ranks(ranks, PROBE, "--out", d / "out", "--deepspeed_config", fp32_ds(d / "ds.json", micro, 1),
                   "--config", d / "recipe.yaml", "--run_dir", d / "run", cwd=d)
         out[name] = json.loads((d / "out" / "rank0.json").read_text())
-    out["tmp"] = tmp
+    out["tmp"], out["data"] = tmp, data
     return out
 
 
@@ -93,7 +219,7 @@ def test_an_fp8_checkpoint_resumes_without_fp8_and_exports_plain_weights(runs, c
     tmp = runs["tmp"]
     d = tmp / "one"
     # resume the FP8 run's step-2 checkpoint with fp8 off: it loads and trains steps 3-4
-    (d / "plain.yaml").write_text(RECIPE.replace("FP8", "false"))
+    (d / "plain.yaml").write_text(RECIPE.replace("FP8", "false").replace("DATA", str(runs["data"])))
     run = tmp / "resumed"
     import shutil
 
@@ -102,7 +228,7 @@ def test_an_fp8_checkpoint_resumes_without_fp8_and_exports_plain_weights(runs, c
     shutil.rmtree(ck / "step_00000004")
     (ck / "latest").write_text("step_00000002")
     (run / "metrics.jsonl").write_text("".join(line + "\n" for line in (run / "metrics.jsonl").read_text().splitlines()[:2]))
-    run_ranks(1, PRETRAIN, "--deepspeed_config", fp32_ds(tmp / "resume_ds.json", 1, 2), "--config", d / "plain.yaml",
+    run_ranks(1, PRETRAIN, "--deepspeed_config", fp32_ds(tmp / "resume_ds.json", 2, 1), "--config", d / "plain.yaml",
               "--run_dir", run, "--resume", cwd=tmp)
     rows = [r for r in read_metrics(run) if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -124,16 +250,24 @@ def test_an_fp8_checkpoint_resumes_without_fp8_and_exports_plain_weights(runs, c
     assert not any("float8" in str(v.dtype) for v in fp8_sd.values())
 
 
-@pytest.mark.parametrize("fp8, ds_name, expect", [
-    ("all", "zero3.json", "train.fp8: all (the routed experts through FP8 grouped GEMM as well) is not built yet"),
+@pytest.mark.parametrize("fp8, ds_change, expect", [
+    ("all", {"expert_parallel": None}, "train.fp8: all runs the routed experts through AutoEP's grouped GEMM, and "
+     "this DS config has no enabled expert_parallel section"),
+    ("all", {"expert_parallel": {"enabled": True, "autoep_size": "auto", "comm_backend": "deepep"}},
+     'train.fp8: all needs expert_parallel.comm_backend "comm"'),
     ("dense", "pipe.json", "train.fp8: not supported with a pipeline section"),
 ])
-def test_fp8_refusals_are_one_line(fp8, ds_name, expect, tmp_path, capfd, monkeypatch):
+def test_fp8_refusals_are_one_line(fp8, ds_change, expect, tmp_path, capfd, monkeypatch):
     from engine.pretrain import main
 
+    if isinstance(ds_change, str):
+        ds = ROOT / "ds_configs" / ds_change
+    else:
+        ds = write_ds(tmp_path / "ds.json", drop=[k for k, v in ds_change.items() if v is None],
+                      **{k: v for k, v in ds_change.items() if v is not None})
     (tmp_path / "r.yaml").write_text(f"train: {{fp8: {fp8}}}\n")
-    p = run_in_process(main, ["--deepspeed_config", str(ROOT / "ds_configs" / ds_name), "--config",
-                              str(tmp_path / "r.yaml"), "--run_dir", str(tmp_path / "run")], capfd, monkeypatch)
+    p = run_in_process(main, ["--deepspeed_config", str(ds), "--config", str(tmp_path / "r.yaml"), "--run_dir",
+                              str(tmp_path / "run")], capfd, monkeypatch)
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert p.returncode == 2 and len(lines) == 1 and expect in lines[0], p.stderr
 
