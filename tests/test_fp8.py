@@ -215,7 +215,7 @@ def test_two_ranks_train_in_fp8_as_one(runs):
     assert max(abs(a - b) / abs(b) for a, b in zip(one, bf)) > 1e-4, (one, bf)
 
 
-def test_an_fp8_checkpoint_resumes_without_fp8_and_exports_plain_weights(runs, capfd, monkeypatch):
+def test_an_fp8_checkpoint_resumes_without_fp8_and_exports_the_engines_model(runs, capfd, monkeypatch):
     tmp = runs["tmp"]
     d = tmp / "one"
     # resume the FP8 run's step-2 checkpoint with fp8 off: it loads and trains steps 3-4
@@ -248,6 +248,23 @@ def test_an_fp8_checkpoint_resumes_without_fp8_and_exports_plain_weights(runs, c
     assert fp8_sd.keys() == bf_sd.keys()
     assert {k: v.dtype for k, v in fp8_sd.items()} == {k: v.dtype for k, v in bf_sd.items()}
     assert not any("float8" in str(v.dtype) for v in fp8_sd.values())
+    # ... and its logits are the engine's without FP8 on the same (last) checkpoint: the FP8 run resumed with fp8 off
+    # and no step left to train, then fed fixed ids (tests/scripts/pretrain_logits.py)
+    from conftest import PRETRAIN_LOGITS, fixed_ids
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(d / "run", tmp / "again")
+    torch.save(fixed_ids(), tmp / "ids.pt")
+    run_ranks(1, PRETRAIN_LOGITS, "--ids", tmp / "ids.pt", "--logits", tmp / "logits.pt", "--deepspeed_config",
+              fp32_ds(tmp / "again_ds.json", 2, 1), "--config", d / "plain.yaml", "--run_dir", tmp / "again",
+              "--resume", cwd=tmp)
+    assert [r["step"] for r in read_metrics(tmp / "again") if "loss" in r] == [1, 2, 3, 4]  # nothing trained again
+    model = AutoModelForCausalLM.from_pretrained(tmp / "hf_one", dtype=torch.float32).eval()
+    with torch.no_grad():
+        exported = model(input_ids=fixed_ids()).logits
+    engine = torch.load(tmp / "logits.pt")
+    assert exported.shape == engine.shape
+    assert (exported - engine).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("fp8, ds_change, expect", [
