@@ -21,7 +21,9 @@ own MoE block (what HF Trainer + DeepSpeed gives). --micro_batch overrides train
 ("auto" in the file, as in the shipped zero2.json/zero3.json, is chosen for the device's memory x --memory_fraction).
 --set KEY=VALUE changes the recipe (e.g. train.activation_checkpointing=true), --ds_set KEY=VALUE the DS config
 (e.g. zero_optimization.stage=2); values are YAML. --label names the row. --profile N profiles N more steps
-with torch.profiler and prints the operators that take the most device time (also written to OUT.profile.txt).
+with torch.profiler and prints the operators that take the most device time and the time's shares by kind (routed
+experts' GEMMs and FP8 casts, attention, dense GEMMs, optimizer, communication, the rest; also written to
+OUT.profile.txt).
 """
 import argparse
 import json
@@ -234,9 +236,43 @@ def profile(train_step, steps: int, device: str, path: str, rank: int) -> None:
             train_step()
     if rank == 0:
         key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
-        table = prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70)
+        events = prof.key_averages()
+        table = events.table(sort_by=key, row_limit=40, max_name_column_width=70)
+        table += "\n" + time_shares(events, device) + "\n"
         Path(path).write_text(table)
         print(table)
+
+
+# Operator names by what they compute, first match wins (aten ops and the custom ops of torchao and DeepSpeed).
+SHARES = (
+    ("routed experts: grouped GEMMs", ("_grouped_mm", "group_gemm")),
+    # torchao's Triton casts, launched from its autograd function (_Float8GroupedMM) or as its custom ops
+    ("routed experts: FP8 casts and scales", ("float8groupedmm", "fp8_rowwise", "fp8_colwise", "fp8_per_group")),
+    ("attention", ("attention", "flash", "sdpa")),
+    ("dense GEMMs (incl. output layer; FP8 ones too)", ("aten::mm", "aten::addmm", "aten::bmm", "_scaled_mm", "aten::linear")),
+    ("optimizer", ("adam", "multi_tensor", "_foreach")),
+    ("communication", ("nccl", "all_reduce", "allreduce", "all_gather", "reduce_scatter", "all_to_all", "gloo")),
+)
+
+
+def time_shares(events, device: str) -> str:
+    """The profile's self device time (self CPU time on a CPU) of the operators (the host-side events, each holding
+    the time of the kernels it launched) summed by SHARES, largest first, as one line each."""
+    from torch.autograd import DeviceType
+
+    attr = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    sums = {name: 0.0 for name, _ in SHARES} | {"everything else (elementwise, norms, compiled kernels, copies)": 0.0}
+    for e in events:
+        if e.device_type != DeviceType.CPU:  # the kernels' own rows: their time is also their launching op's
+            continue
+        t = float(getattr(e, attr, 0) or 0)
+        low = e.key.lower()
+        name = next((n for n, keys in SHARES if any(k.lower() in low for k in keys)),
+                    "everything else (elementwise, norms, compiled kernels, copies)")
+        sums[name] += t
+    total = sum(sums.values()) or 1.0
+    return "\n".join(["time shares (self " + ("device" if device == "cuda" else "CPU") + f" time, {total / 1e3:.1f} ms):"]
+                     + [f"  {100 * t / total:5.1f}%  {n}" for n, t in sorted(sums.items(), key=lambda x: -x[1])])
 
 
 def print_table(rows: list[dict]) -> None:

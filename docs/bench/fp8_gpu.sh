@@ -6,6 +6,9 @@
 # torchao==0.18.0; 0.18.0 needs torch >= 2.11, which the GPU image has); prints the versions it ran with.
 #   bash docs/bench/fp8_gpu.sh   (on the GPU machine, from the checkout, .whl/ carried; ~4 runs x 2-3 min)
 # MODES ("false dense all"): the train.fp8 values to run (ratios are against false, when it ran in the same call).
+# PROFILE=N: then, per config and mode, bin/bench.py profiles N steps (after WARMUP_P, 3, and 2 timed ones) and the
+# time shares by kind (routed experts' grouped GEMMs and FP8 casts, attention, dense GEMMs, ...) go under the table;
+# each full profile table in logs.tgz (profile_<config>_<mode>.txt). T_PROF (200) s per run.
 # Files: $OUT/fp8_<config>_<mode>.jsonl (metrics rows), $OUT/fp8.md (table), $OUT/logs.tgz.
 set -u
 OUT=${OUT:-/tmp/fp8}; W=/tmp/fp8w; mkdir -p "$OUT" $W/logs
@@ -57,4 +60,18 @@ for cfg in sys.argv[3:]:
         print(f"\n{cfg} loss by step ({' / '.join(m for m, _ in runs)}): " + ", ".join(
             f"{x[0]['step']}: " + "/".join(f"{y['loss']:.3f}" for y in x) for x in zip(*(r for _, r in runs))) + "\n")
 PY
+if [ -n "${PROFILE:-}" ]; then
+  for cfg in ${CONFIGS:-zero2.json zero3.json}; do
+    for mode in ${MODES:-false dense all}; do
+      port=$((port + 1)); name=${cfg%.json}_$mode; t=$SECONDS
+      timeout -k 15 ${T_PROF:-200} python3 -m deepspeed.launcher.runner --master_port $port --num_gpus 1 bin/bench.py \
+        --deepspeed_config ds_configs/$cfg --config engine/recipes/$RECIPE.yaml --set train.fp8=$mode --steps 2 \
+        --warmup ${WARMUP_P:-3} --profile $PROFILE --label $name --out $W/logs/profile_$name.jsonl > $W/logs/profile_$name.log 2>&1
+      echo "profile $name: exit $? in $((SECONDS - t))s"
+      cp $W/logs/profile_$name.jsonl.profile.txt $W/logs/profile_$name.txt 2>/dev/null
+      { echo; echo "$name, $PROFILE profiled steps:"; sed -n '/^time shares/,/^$/p' $W/logs/profile_$name.txt 2>/dev/null; } >> "$OUT/fp8.md"
+    done
+  done
+  cat "$OUT/fp8.md"
+fi
 tar czf "$OUT/logs.tgz" -C $W logs
