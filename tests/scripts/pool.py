@@ -47,10 +47,13 @@ def reset_deepspeed_groups() -> None:
 def run_job(spec: dict, out: Path, err: Path) -> int:
     """Run spec = {"script", "argv", "env", "path", "cwd"} in this process as `python script argv` would; returns its
     exit code. Everything it changes in the process (environment, sys.path, argv, working directory, streams) is
-    put back."""
+    put back, and so is DeepSpeed's token-group alignment of AutoEP (train.fp8 all raises it to 16)."""
+    from deepspeed.moe import ep_kernels
+
     import engine.proc
 
     env, path, argv, cwd = dict(os.environ), list(sys.path), sys.argv, os.getcwd()
+    align = ep_kernels.TOKEN_GROUP_ALIGN_SIZE_M
     streams, exit_now = (sys.stdout, sys.stderr), engine.proc.exit_now
     os.environ.update(spec.get("env", {}))
     sys.path[:0] = spec.get("path", [])
@@ -87,6 +90,7 @@ def run_job(spec: dict, out: Path, err: Path) -> int:
             os.environ.clear()
             os.environ.update(env)
             reset_deepspeed_groups()
+            ep_kernels.TOKEN_GROUP_ALIGN_SIZE_M = align
             if "transformers.integrations.deepspeed" in sys.modules:  # a probe that builds without main() leaves
                 sys.modules["transformers.integrations.deepspeed"].unset_hf_deepspeed_config()  # zero.Init on
             gc.collect()
