@@ -90,6 +90,11 @@ def resolve_optimizer(cfg: dict, recipe: Recipe, device: str = "cpu") -> list[st
     if "scheduler" in cfg:
         p.append("scheduler: remove it; the recipe's train.warmup_steps/min_lr_ratio/max_steps drive the LR "
                  "schedule (the optimizer's lr stays in this file)")
+    if (cfg.get("zero_optimization") or {}).get("zenflow"):
+        p.append("zero_optimization.zenflow: not supported: DeepSpeed 0.19.8's ZenFlow hands this engine's model back "
+                 "from deepspeed.initialize with its matrices' values reordered (the first loss already differs, the "
+                 "second is NaN); remove it and offload with ds_configs/zero3_offload.json (offload_optimizer.ratio) "
+                 "or keep the states on the GPU with zero3_bf16_states.json")
     if "optimizer" not in cfg:
         p.append('optimizer: missing; add e.g. {"type": "AdamW", "params": {"lr": "auto", "weight_decay": 0.1}}')
     else:

@@ -75,6 +75,18 @@ def test_cpu_ranks_take_torch_adamw_unless_offloaded_or_written(ds, device, writ
     assert "torch_adam" not in read_ds_config(ROOT / "ds_configs" / ds)["optimizer"]["params"]  # file untouched
 
 
+def test_zenflow_is_refused_before_any_rank_starts():
+    """DeepSpeed 0.19.8's ZenFlow hands the engine's model back from deepspeed.initialize with its matrices' values
+    reordered (found on CPU ranks: same parameter sums, another order; the first loss differs, the second is NaN), so
+    a DS config asking for it is refused in the config check, with the configs to use instead."""
+    raw = read_ds_config(ROOT / "ds_configs" / "zero2.json")
+    raw["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    raw["zero_optimization"]["zenflow"] = {"topk_ratio": 0.05, "update_interval": 4}
+    with pytest.raises(ConfigError, match=r"zero_optimization.zenflow: not supported.*zero3_offload.json"):
+        resolve_ds_config(raw, load_recipe(None), world_size=1, ranks_per_node=1, device="cpu",
+                          auto_batch=AutoBatch(memory_gib=80.0))
+
+
 def test_quick_cpu_info_gives_deepspeed_the_same_op_flags_as_py_cpuinfo(monkeypatch):
     """engine/parallel.py quick_cpu_info answers DeepSpeed's CPU-op probe from /proc/cpuinfo: the compiler flags of
     each CPU op (so the build it loads) and CPUAdam's vendor must equal what py-cpuinfo gives."""

@@ -4,33 +4,52 @@
 # titan": bin/bench.py with ds_configs/zero2.json, torchtitan, zero3.json, torchtitan). The engine: bin/bench.py as
 # shipped ("auto" micro-batch x accumulation; 16 x 4 on an H200). torchtitan: docs/bench/torchtitan_pair.py, its
 # DeepSeek-V3 with the model config written from the recipe (shape differences printed: "shape:" lines), compile on,
-# its grouped-GEMM MoE, FlexAttention, CUDA graphs, FSDP2 on the one GPU, global batch = the engine's micro x accum,
-# micro TITAN_MICRO (16); activation checkpointing only if needed to fit (TITAN_TRIES, entries micro:AC:CUDA-graphs;
-# an out-of-memory run moves to the next entry, another failure retries once without CUDA graphs; the first that runs
-# is kept for later torchtitan runs). TITAN_ATTN (flex), TITAN_RESHARD (default: parallelism.fsdp_reshard_after_forward).
+# its grouped-GEMM MoE, FlexAttention (0.3.0: CUDA graphs, FSDP2 on the one GPU; 0.2.2 below), global batch = the
+# engine's micro x accum, micro TITAN_MICRO (16); activation checkpointing only if needed to fit (TITAN_TRIES, entries
+# micro:AC:CUDA-graphs; an out-of-memory run moves to the next entry, another failure retries once without CUDA graphs;
+# the first that runs is kept for later torchtitan runs). TITAN_ATTN (flex), TITAN_RESHARD (default:
+# parallelism.fsdp_reshard_after_forward).
 # One FLOP formula for both (bin/bench.py's): FLOPs per token = 6 x active non-embedding parameters (output layer
 # included, routed experts at top-k / experts) + 3 x layers x 2 x seq x heads x (qk_head_dim + v_head_dim);
 # MFU = tokens/s x that / 989 TFLOP/s; 6.25 G per token for deepseek_2b6 at seq 2048.
 # MODE=loss: LOSS_STEPS (100) steps of each from its own random init on the same data (the recipe's data section, the
 # engine's order), the engine with LOSS_CONFIGS (zero2.json), the recipe's LR schedule over LOSS_STEPS in both.
-# Needs in .whl/ (besides what offline-wheels.sh always puts there): ../shared/tools/offline-wheels.sh
-#   torchtitan==0.3.0 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1 spmd-types==0.2.3 torchdata==0.11.0
-# (torchtitan's other Requires-Dist, tensorboard/wandb/pillow/einops/torch_checkpointing, are not imported on this path,
-# datasets/tokenizers/safetensors are there already; torchtitan_pair.py stands in for tensorboard where it is missing).
+# torchtitan: the version installed (from .whl/: keep one torchtitan wheel there) picks the driver's path. 0.3.0 (pins a
+# torch nightly newer than 2.11; stand-ins on 2.11): compile, FSDP2 on the one GPU, ChunkedLossWrapper, CUDA graphs.
+# 0.2.2 (released on a torch 2.11 nightly): compile, no FSDP on one GPU (bf16 autocast over fp32 parameters), full-logit
+# loss, no CUDA graphs (TITAN_TRIES' default then has them off), TITAN_RESHARD meaningless. Wheels, in .whl/ (besides
+# what offline-wheels.sh always puts there), from ../shared/tools/offline-wheels.sh with
+#   0.3.0: torchtitan==0.3.0 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1 spmd-types==0.2.3 torchdata==0.11.0
+#   0.2.2: torchtitan==0.2.2 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1 torchdata==0.11.0
+# To switch, move the other torchtitan wheel out of the .whl/*.whl glob (e.g. mkdir -p .whl/off; mv
+# .whl/torchtitan-0.3.0-*.whl .whl/off/): with two, the install of .whl/*.whl fails as a whole (this script stops
+# first).
+# (torchtitan's other Requires-Dist are not imported on this path: 0.3.0's tensorboard/wandb/pillow/einops/
+# torch_checkpointing, 0.2.2's tensorboard/einops/pillow/tomli; datasets/tokenizers/safetensors/fsspec are there
+# already; torchtitan_pair.py stands in for tensorboard where it is missing).
 #   bash docs/bench/torchtitan_pair.sh            (on the GPU machine, from the checkout, .whl/ carried; ~9 min)
 #   MODE=loss bash docs/bench/torchtitan_pair.sh  (a second call; ~8 min)
 # STEPS (20) timed steps after WARMUP (5) in every run. BUDGET (570 s): a run that would start with under 60 s left is
 # skipped; each run's timeout is the smaller of T_RUN/T_TITAN and what is left. The table is rewritten after each run.
 # RECIPE_PATH (engine/recipes/$RECIPE.yaml), ENGINE_ARGS / TITAN_ARGS (more bin/bench.py / torchtitan_pair.py flags)
 # serve small tests, e.g. on a CPU: TITAN_ARGS="--device cpu --compile 0 --cuda_graphs 0" TITAN_TRIES=2:none:0
-# ENGINE_ARGS="--micro_batch 2 --ds_set gradient_accumulation_steps=2" RECIPE_PATH=tiny.yaml STEPS=3 WARMUP=1.
+# ENGINE_ARGS="--micro_batch 2 --ds_set gradient_accumulation_steps=2" RECIPE_PATH=engine/recipes/tiny.yaml
+# STEPS=3 WARMUP=1.
 # Files: $OUT/pair.jsonl (bench.py rows and torchtitan rows), $OUT/pair.md (table), $OUT/logs.tgz.
 set -u
 OUT=${OUT:-/tmp/titan_pair}; W=/tmp/titan_pairw; mkdir -p "$OUT" $W/logs
+tw=$(ls .whl/torchtitan-*.whl 2>/dev/null | wc -l)
+if [ "$tw" -gt 1 ] && ! python3 -c "import torchtitan" 2>/dev/null; then
+  echo "more than one torchtitan wheel in .whl/ ($(ls .whl/torchtitan-*.whl | xargs -n1 basename | tr '\n' ' ')):" \
+    "the install of .whl/*.whl would fail; move all but one out (e.g. to .whl/off/)"; exit 1
+fi
 . docs/bench/gpu_env.sh deepspeed torchtitan
-python3 -c "import torch, deepspeed, torchtitan, transformers; print('torch', torch.__version__, 'deepspeed', \
-deepspeed.__version__, 'torchtitan', torchtitan.__version__, 'transformers', transformers.__version__, \
+# torchtitan's version from its metadata: importing 0.2.2 needs triton, which a CPU box lacks (the driver stands in)
+TITAN_VERSION=$(python3 -c "from importlib.metadata import version; print(version('torchtitan'))") || exit 1
+python3 -c "import torch, deepspeed, transformers; print('torch', torch.__version__, 'deepspeed', \
+deepspeed.__version__, 'torchtitan $TITAN_VERSION', 'transformers', transformers.__version__, \
 torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')" || exit 1
+CG=1; case $TITAN_VERSION in 0.2.*) CG=0 ;; esac  # torchtitan 0.2 has no CUDA graphs
 RECIPE=${RECIPE:-deepseek_2b6}; RECIPE_PATH=${RECIPE_PATH:-engine/recipes/$RECIPE.yaml}; MODE=${MODE:-speed}; BUDGET=${BUDGET:-570}
 STEPS=${STEPS:-20}; WARMUP=${WARMUP:-5}; LOSS_STEPS=${LOSS_STEPS:-100}
 J=$OUT/pair.jsonl; port=29930
@@ -61,7 +80,7 @@ else:
     print("| run | system | micro x accum | tokens/step | tokens/s per GPU | MFU | s/step | peak GiB | settings | loss (last) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        sets = (f"compile {'on' if r.get('compile') else 'off'}, AC {r.get('ac')}, CUDA graphs "
+        sets = (f"torchtitan {r.get('torchtitan')}, compile {'on' if r.get('compile') else 'off'}, AC {r.get('ac')}, CUDA graphs "
                 f"{'on' if r.get('cuda_graphs') else 'off'}, {r.get('attn')}, reshard {r.get('reshard')}" if r.get("system") == "torchtitan"
                 else f"autoep {r.get('autoep')}, ep {r.get('ep')}, head {r.get('head')}")
         step = r.get("step_s") or round(r["micro"] * r["accum"] * r["seq"] / r["tokens_per_s_per_gpu"], 3)
@@ -109,7 +128,7 @@ titan() {  # titan LABEL [driver args...]
   local label=$1; shift
   local G; G=$(python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if l.strip()]; \
 r=[x for x in r if x.get('system') != 'torchtitan']; print(r[-1]['micro'] * r[-1]['accum'] if r else 64)" "$J" 2>/dev/null || echo 64)
-  local tries=${TITAN_OK:-${TITAN_TRIES:-${TITAN_MICRO:-16}:none:1 8:none:1 ${TITAN_MICRO:-16}:selective:1 8:selective:0}}
+  local tries=${TITAN_OK:-${TITAN_TRIES:-${TITAN_MICRO:-16}:none:$CG 8:none:$CG ${TITAN_MICRO:-16}:selective:$CG 8:selective:0}}
   local queue=($tries)
   while [ ${#queue[@]} -gt 0 ]; do
     local try=${queue[0]}; queue=("${queue[@]:1}")
