@@ -30,12 +30,12 @@ v_head_dim). MFU = tokens/s x FLOPs per token / 989 TFLOP/s. One JSON row per ru
 they apply, with "system": "torchtitan"); --losses N runs N steps and keeps every step's loss.
 
 Two torchtitan versions, chosen by the one installed (`--check` prints which): 0.3.0 as above, and 0.2.2 (released
-2026-02-20 on a torch 2.11 nightly: the GPU image's torch line). With 0.2.2 the model is its DeepSeekV3ModelArgs /
-DeepSeekV3Model of the same sizes (YaRN off, the final norm's eps set after the build) and the step its Trainer's on
-one GPU: parallelize_deepseekv3 (per-block compile, AC if asked; no FSDP on one GPU, so no reshard), bf16 autocast
-over fp32 parameters (its maybe_enable_amp), grouped-GEMM MoE, FlexAttention with a causal block mask, its
-cross_entropy_loss (full logits, compiled), build_optimizers_with_moe_load_balancing (the same AdamW and balancing
-hook), Trainer.forward_backward_step. It has no CUDA graphs (--cuda_graphs is ignored) and no chunked loss.
+2026-02-20, when PyTorch nightlies were 2.11.0.dev: the GPU image's torch line). With 0.2.2 the model is its
+DeepSeekV3ModelArgs / DeepSeekV3Model of the same sizes (YaRN off, the final norm's eps set after the build) and the
+step its Trainer's on one GPU: parallelize_deepseekv3 (per-block compile, AC if asked; no FSDP on one GPU, so no
+reshard), bf16 autocast over fp32 parameters (its maybe_enable_amp), grouped-GEMM MoE, FlexAttention with a causal block
+mask, its cross_entropy_loss (full logits, compiled), build_optimizers_with_moe_load_balancing (the same AdamW and
+balancing hook), Trainer.forward_backward_step. It has no CUDA graphs (--cuda_graphs is ignored) and no chunked loss.
 
 torchtitan 0.3.0 pins a torch nightly newer than the GPU image's 2.11. On an older torch this driver installs
 stand-ins, each printed: torch.distributed.fsdp.DataParallelMeshDims (torch 2.12; imported at module level, used only
@@ -498,7 +498,7 @@ def main() -> int:
     ap.add_argument("--label", default="torchtitan")
     args = ap.parse_args()
 
-    v02 = titan_version() < (0, 3)  # the one version branch: which API (model builder, Trainer setup) to drive
+    v02 = titan_version() < (0, 3)  # which API to drive: 0.2 (JobConfig, ModelArgs) or 0.3 (Trainer.Config)
     stubs = stub_missing_optional_modules(v02)
     import torch
     import yaml

@@ -16,9 +16,9 @@
 # engine's order), the engine with LOSS_CONFIGS (zero2.json), the recipe's LR schedule over LOSS_STEPS in both.
 # torchtitan: the version installed (from .whl/: keep one torchtitan wheel there) picks the driver's path. 0.3.0 (pins a
 # torch nightly newer than 2.11; stand-ins on 2.11): compile, FSDP2 on the one GPU, ChunkedLossWrapper, CUDA graphs.
-# 0.2.2 (released on a torch 2.11 nightly): compile, no FSDP on one GPU (bf16 autocast over fp32 parameters), full-logit
-# loss, no CUDA graphs (TITAN_TRIES' default then has them off), TITAN_RESHARD meaningless. Wheels, in .whl/ (besides
-# what offline-wheels.sh always puts there), from ../shared/tools/offline-wheels.sh with
+# 0.2.2 (released when nightlies were torch 2.11.0.dev): compile, no FSDP on one GPU (bf16 autocast over fp32
+# parameters), full-logit loss, no CUDA graphs (TITAN_TRIES' default then has them off), TITAN_RESHARD meaningless.
+# Wheels, in .whl/ (besides what offline-wheels.sh always puts there), from ../shared/tools/offline-wheels.sh with
 #   0.3.0: torchtitan==0.3.0 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1 spmd-types==0.2.3 torchdata==0.11.0
 #   0.2.2: torchtitan==0.2.2 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1 torchdata==0.11.0
 # To switch, move the other torchtitan wheel out of the .whl/*.whl glob (e.g. mkdir -p .whl/off; mv
