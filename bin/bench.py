@@ -253,6 +253,7 @@ SHARES = (
     ("optimizer", ("adam", "multi_tensor", "_foreach")),
     ("communication", ("nccl", "all_reduce", "allreduce", "all_gather", "reduce_scatter", "all_to_all", "gloo")),
 )
+REST = "everything else (elementwise, norms, compiled kernels, copies)"
 
 
 def time_shares(events, device: str) -> str:
@@ -261,14 +262,13 @@ def time_shares(events, device: str) -> str:
     from torch.autograd import DeviceType
 
     attr = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
-    sums = {name: 0.0 for name, _ in SHARES} | {"everything else (elementwise, norms, compiled kernels, copies)": 0.0}
+    sums = {name: 0.0 for name, _ in SHARES} | {REST: 0.0}
     for e in events:
         if e.device_type != DeviceType.CPU:  # the kernels' own rows: their time is also their launching op's
             continue
         t = float(getattr(e, attr, 0) or 0)
         low = e.key.lower()
-        name = next((n for n, keys in SHARES if any(k.lower() in low for k in keys)),
-                    "everything else (elementwise, norms, compiled kernels, copies)")
+        name = next((n for n, keys in SHARES if any(k.lower() in low for k in keys)), REST)
         sums[name] += t
     total = sum(sums.values()) or 1.0
     return "\n".join(["time shares (self " + ("device" if device == "cuda" else "CPU") + f" time, {total / 1e3:.1f} ms):"]

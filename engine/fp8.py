@@ -26,6 +26,7 @@ import types
 import torch
 
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) and later
+MULTIPLE = 16  # what the FP8 GEMMs need of a converted layer's dimensions and of each expert's rows
 
 
 def fp8_problems(mode, ds: dict, device: str) -> list[str]:
@@ -70,7 +71,7 @@ def convertible(name: str, module: torch.nn.Module) -> bool:
     leaf = name.rsplit(".", 1)[-1]
     if name == "lm_head" or leaf in ("gate", "shared_expert_gate", "router"):
         return False
-    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+    return module.in_features % MULTIPLE == 0 and module.out_features % MULTIPLE == 0
 
 
 def convert(model: torch.nn.Module, mode, device: str) -> list[str]:
@@ -94,15 +95,14 @@ def can_run_fp8(device: str) -> bool:
     return torch.cuda.get_device_capability() >= MIN_CAPABILITY
 
 
-FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-GROUP_ALIGN = 16  # FP8 grouped GEMM: each expert's rows a multiple of 16
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 
 def convert_experts(model: torch.nn.Module, device: str) -> list[str]:
     """train.fp8 all: AutoEP's GroupedExperts modules (built by deepspeed.initialize, so called on the engine's
     module) compute through FP8 grouped GEMMs from their next forward on; returns their names. The weights (w1, w2,
     w3) stay the module's parameters, gathered and partitioned by ZeRO as before. AutoEP pads each expert's token
-    group to DeepSpeed's TOKEN_GROUP_ALIGN_SIZE_M, raised here to 16 for this process."""
+    group to DeepSpeed's TOKEN_GROUP_ALIGN_SIZE_M, raised here to MULTIPLE for this process."""
     from deepspeed.moe import ep_kernels
     from deepspeed.moe.ep_experts import GroupedExperts
 
@@ -111,12 +111,12 @@ def convert_experts(model: torch.nn.Module, device: str) -> list[str]:
         if not isinstance(module, GroupedExperts):
             continue
         _, dim, ffn = getattr(module.w2, "ds_shape", module.w2.shape)  # the full shape under ZeRO-3
-        if dim % 16 == 0 and ffn % 16 == 0:
+        if dim % MULTIPLE == 0 and ffn % MULTIPLE == 0:
             module._fp8_grouped_mm = fp8_grouped_mm if can_run_fp8(device) else emulated_grouped_mm
             module.forward = types.MethodType(_fp8_experts_forward, module)
             names.append(name)
     if names:
-        ep_kernels.TOKEN_GROUP_ALIGN_SIZE_M = max(ep_kernels.TOKEN_GROUP_ALIGN_SIZE_M, GROUP_ALIGN)
+        ep_kernels.TOKEN_GROUP_ALIGN_SIZE_M = max(ep_kernels.TOKEN_GROUP_ALIGN_SIZE_M, MULTIPLE)
     return names
 
 

@@ -167,13 +167,13 @@ def build(recipe: Recipe, ds: dict, tok, world: World):
 
         device = None if zero_stage(ds) == 3 else get_accelerator().current_device_name()  # ZeRO-3: zero.Init places it
         model = build_model(recipe.model, ds, tok, dtype=model_dtype(ds), device=device)
+        kind = get_accelerator().device_name()
         if recipe.train.fp8:
-            names = fp8_convert(model, recipe.train.fp8, get_accelerator().device_name())
+            names = fp8_convert(model, recipe.train.fp8, kind)
         if recipe.train.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine = build_engine(model, ds, recipe.train)
     if recipe.train.fp8:  # the routed experts exist once deepspeed.initialize has swapped in AutoEP's layers
-        kind = get_accelerator().device_name()
         experts = fp8_experts(engine.module, kind) if recipe.train.fp8 == "all" else []
         what = f" and the routed experts of {len(experts)} MoE layers" if experts else ""
         rest = "the output layer and routers" if experts else "the output layer, routers and routed experts"
