@@ -227,18 +227,26 @@ class PhaseTimer:
 
 
 def profile(train_step, steps: int, device: str, path: str, rank: int) -> None:
-    """torch.profiler over `steps` training steps; rank 0 prints the top operators by device time."""
+    """torch.profiler over `steps` training steps; rank 0 prints the top operators by device time, the time's shares
+    by kind (by operator, and on a GPU by kernel name too) and how busy the device was over the profiled wall time."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
     with torch_profile(activities=acts) as prof:
+        t0 = time.perf_counter()
         for _ in range(steps):
             train_step()
+        sync()
+        wall = time.perf_counter() - t0
     if rank == 0:
         key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
         events = prof.key_averages()
         table = events.table(sort_by=key, row_limit=40, max_name_column_width=70)
         table += "\n" + time_shares(events, device) + "\n"
+        if device == "cuda":
+            table += kernel_shares(events, wall) + "\n"
         Path(path).write_text(table)
         print(table)
 
@@ -273,6 +281,36 @@ def time_shares(events, device: str) -> str:
     total = sum(sums.values()) or 1.0
     return "\n".join(["time shares (self " + ("device" if device == "cuda" else "CPU") + f" time, {total / 1e3:.1f} ms):"]
                      + [f"  {100 * t / total:5.1f}%  {n}" for n, t in sorted(sums.items(), key=lambda x: -x[1])])
+
+
+# Kernel names (the device-side rows) by what they compute, first match wins: a view that does not depend on which
+# host-side op launched a kernel (under torch.compile most kernels are launched by one compiled graph).
+KERNELS = (
+    ("routed experts: grouped GEMMs", ("groupproblemshape", "grouped", "group_gemm")),
+    ("attention", ("flash", "fmha", "attention", "attn")),
+    ("dense GEMMs (cuBLAS, CUTLASS, Triton templates)", ("gemm", "nvjet", "xmma", "cutlass", "triton_tem", "splitk")),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("communication", ("nccl",)),
+)
+
+
+def kernel_shares(events, wall_s: float) -> str:
+    """The device kernels' time summed by KERNELS (the rest: elementwise, reductions, norms, copies, fused Triton),
+    and the kernels' total against the profiled wall time: how busy the device was."""
+    from torch.autograd import DeviceType
+
+    rest = "everything else (elementwise, reductions, norms, copies, fused Triton)"
+    sums = {name: 0.0 for name, _ in KERNELS} | {rest: 0.0}
+    for e in events:
+        if e.device_type != DeviceType.CUDA:
+            continue
+        low = e.key.lower()
+        name = next((n for n, keys in KERNELS if any(k in low for k in keys)), rest)
+        sums[name] += float(e.self_device_time_total or 0)
+    total = sum(sums.values())
+    busy = f", device busy {100 * total / 1e6 / wall_s:.1f}% of {wall_s:.3g} s wall" if wall_s > 0 else ""
+    return "\n".join([f"kernel shares (kernel time {total / 1e3:.1f} ms{busy}):"]
+                     + [f"  {100 * t / (total or 1):5.1f}%  {n}" for n, t in sorted(sums.items(), key=lambda x: -x[1])])
 
 
 def print_table(rows: list[dict]) -> None:

@@ -492,6 +492,8 @@ def main() -> int:
     ap.add_argument("--spmd_backend", choices=["auto", "spmd_types", "partial_dtensor"], default="auto",
                     help="torchtitan 0.3's parallelism.spmd_backend; auto: its default spmd_types on torch >= 2.12, "
                     "partial_dtensor (DTensor for model-parallel axes only, none here) on an older torch")
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="then N more steps under torch.profiler: "
+                    "bin/bench.py's tables and time shares, written to OUT.profile.txt")
     ap.add_argument("--check", action="store_true", help="build both models on the meta device, compare counts")
     ap.add_argument("--device", default=None, help="cuda (default when present) or cpu (tiny smoke tests)")
     ap.add_argument("--out", default="titan.jsonl")
@@ -511,7 +513,7 @@ def main() -> int:
     for item in args.set:
         key, _, value = item.partition("=")
         sets[key] = yaml.safe_load(value)
-    total_steps = args.losses or (args.warmup + args.steps)
+    total_steps = args.losses or (args.warmup + args.steps + args.profile)
     recipe = load_recipe(args.config, {**sets, "train.max_steps": total_steps})
     seq = recipe.data.seq_len
     tok = load_tokenizer(recipe.data.tokenizer)
@@ -615,6 +617,12 @@ def main() -> int:
     tps = timed * G * seq / elapsed
     flops_tok = ours["flops_per_token"]  # the one formula, on our model's count (torchtitan's is printed beside it)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device_type == "cuda" else None
+    if args.profile:  # bin/bench.py's profile: the same tables and shares for both systems
+        spec = importlib.util.spec_from_file_location("engine_bench", ROOT / "bin" / "bench.py")
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+        extra = iter(range(warm + timed, warm + timed + args.profile))
+        bench.profile(lambda: train_step(next(extra)), args.profile, device_type, f"{args.out}.profile.txt", 0)
     bias_name = "expert_bias" if v02 else "expert_bias_E"
     biases = [getattr(m, bias_name) for m in model.modules() if getattr(m, bias_name, None) is not None]
     bias_absmax = max((float(b.abs().max()) for b in biases), default=None)  # > 0: the balancing hook ran

@@ -29,6 +29,8 @@
 # already; torchtitan_pair.py stands in for tensorboard where it is missing).
 #   bash docs/bench/torchtitan_pair.sh            (on the GPU machine, from the checkout, .whl/ carried; ~9 min)
 #   MODE=loss bash docs/bench/torchtitan_pair.sh  (a second call; ~8 min)
+# PROFILE=N: every speed run then profiles N more steps (bin/bench.py's profile in both systems): the full tables in
+# logs.tgz (profile_<label>.txt), the time shares by operator and by kernel name, and how busy the GPU was, in the notes.
 # STEPS (20) timed steps after WARMUP (5) in every run. BUDGET (570 s): a run that would start with under 60 s left is
 # skipped; each run's timeout is the smaller of T_RUN/T_TITAN and what is left. The table is rewritten after each run.
 # RECIPE_PATH (engine/recipes/$RECIPE.yaml), ENGINE_ARGS / TITAN_ARGS (more bin/bench.py / torchtitan_pair.py flags)
@@ -110,6 +112,12 @@ PY
 cat "$OUT/pair.md"
 }
 
+shares() {  # PROFILE: the run's profile to logs/, its time shares (by operator, by kernel) into the notes
+  [ -n "${PROFILE:-}" ] && [ -f "$J.profile.txt" ] || return 0
+  mv "$J.profile.txt" "$W/logs/profile_$1.txt"
+  { echo "$1, $PROFILE profiled steps:"; sed -n '/^time shares/,$p' "$W/logs/profile_$1.txt"; } >> $W/notes.txt
+}
+
 engine() {  # engine CONFIG LABEL [bench.py args...]
   local cfg=$1 label=$2; shift 2
   local l; l=$(limit ${T_RUN:-200})
@@ -120,6 +128,7 @@ engine() {  # engine CONFIG LABEL [bench.py args...]
     > $W/logs/$label.log 2>&1
   local rc=$?
   note "$label: exit $rc in $((SECONDS - t))s $(grep -m1 -oE 'batch: micro-batch.{0,80}' $W/logs/$label.log) $(grep -m1 -oE 'OutOfMemoryError|Error: .{0,160}|error: .{0,200}' $W/logs/$label.log)"
+  shares "$label"
   return $rc
 }
 
@@ -144,6 +153,7 @@ r=[x for x in r if x.get('system') != 'torchtitan']; print(r[-1]['micro'] * r[-1
     note "$label (micro $m x accum $((G / m)), AC $ac, CUDA graphs $cg): exit $rc in $((SECONDS - t))s \
 $(grep -m1 -oE 'OutOfMemoryError|CUDA out of memory|[A-Za-z]*Error: .{0,200}' "$log")"
     if [ $rc -eq 0 ]; then
+      shares "$label"
       TITAN_OK=$try
       [ -f $W/shape.txt ] || grep -E '^(shape|params|FLOPs|built|torch )' "$log" > $W/shape.txt
       return 0
@@ -169,8 +179,8 @@ else
   for what in ${ORDER:-z2 titan z3 titan}; do
     i=$((i + 1))
     case $what in
-      z2|z3) engine zero${what#z}.json engine_${what}_$i --steps "$STEPS" --warmup "$WARMUP" ;;
-      titan) titan titan_$i --steps "$STEPS" --warmup "$WARMUP" ;;
+      z2|z3) engine zero${what#z}.json engine_${what}_$i --steps "$STEPS" --warmup "$WARMUP" ${PROFILE:+--profile $PROFILE} ;;
+      titan) titan titan_$i --steps "$STEPS" --warmup "$WARMUP" ${PROFILE:+--profile $PROFILE} ;;
       *) note "ORDER: unknown entry $what (z2, z3, titan)" ;;
     esac
     table > /dev/null
