@@ -64,3 +64,38 @@ def test_tuned_config_trains_like_the_untuned_one_from_the_same_init(tmp_path):
     # most). 1e-3 leaves 3x that. A deliberate bug that dropped the gradient of every 4th micro-batch in both
     # configs moved the gap to 1e-3-6.4e-3 from step 10 on (the old bound, 0.02, passed it).
     assert max(diffs) < 1e-3, list(zip(tuned["losses"], untuned["losses"]))
+
+
+def _bench_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_under_test", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_profile_shares_classify_ops_and_kernels_and_skip_stall_markers():
+    """The shares the torchtitan comparison rests on: operators by name (a launch-queue stall marker is not an op:
+    counting it double-counted torchtitan's kernels), kernels by name (CUTLASS's grouped GEMM before the generic GEMM
+    names), and the device's busy fraction from the kernels' total over the wall time."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    bench = _bench_module()
+    op = lambda key, us: SimpleNamespace(key=key, device_type=DeviceType.CPU, self_device_time_total=us)  # noqa: E731
+    kern = lambda key, us: SimpleNamespace(key=key, device_type=DeviceType.CUDA, self_device_time_total=us)  # noqa: E731
+    ops = [op("aten::mm", 600), op("aten::_grouped_mm", 300), op("Command Buffer Full", 9000),
+           op("aten::_cudnn_attention_forward", 100), kern("nvjet_sm90_tst_256x128", 600)]
+    lines = bench.time_shares(ops, "cuda").splitlines()
+    assert lines[0] == "time shares (self device time, 1.0 ms):"
+    assert "60.0%  dense GEMMs" in lines[1] and "30.0%  routed experts: grouped GEMMs" in lines[2]
+    assert "10.0%  attention" in lines[3]
+    kernels = [kern("_ZN7cutlass13device_kernelI...17GroupProblemShapeI...gemm", 250), kern("nvjet_sm90_tst_256x128", 500),
+               kern("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 100), kern("triton_poi_fused_add_0", 100),
+               kern("multi_tensor_apply_kernel<AdamFunctor>", 50), op("aten::mm", 10_000)]
+    lines = bench.kernel_shares(kernels, 2e-3).splitlines()
+    assert lines[0] == "kernel shares (kernel time 1.0 ms, device busy 50.0% of 0.002 s wall):"
+    assert [line.split("%")[0].strip() for line in lines[1:]] == ["50.0", "25.0", "10.0", "10.0", "5.0", "0.0"]
+    assert "dense GEMMs" in lines[1] and "grouped GEMMs" in lines[2] and "optimizer" in lines[5]

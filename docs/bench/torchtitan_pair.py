@@ -139,6 +139,12 @@ def routing(hf, rate: float):
     return theta, score, route_norm, groups, notes
 
 
+def attention_note(attn_backend: str, flex_mask: str) -> str:
+    kernel = (f"FlexAttention (compiled, max-autotune) with {flex_mask}" if attn_backend == "flex"
+              else f"{attn_backend} (causal)")
+    return f"{'differs: ' if attn_backend == 'flex' else ''}attention kernel: torchtitan {kernel}; ours sdpa causal. Same masking (no document masking in either)"
+
+
 def titan_model_config(hf, recipe, attn_backend: str):
     """torchtitan 0.3's DeepSeekV3Model.Config for our HF config `hf` (make_hf_config of the recipe), and the notes on
     what differs."""
@@ -182,8 +188,7 @@ def titan_model_config(hf, recipe, attn_backend: str):
         f"RMSNorm eps {eps:g} set on all {n_norms} torchtitan norms (its default is 1e-5)",
         "differs: precision: torchtitan keeps fp32 parameters, FSDP2 casts to bf16 for compute and reduces "
         "gradients in fp32; ours trains bf16 parameters with fp32 optimizer master weights (DeepSpeed bf16)",
-        f"differs: attention kernel: torchtitan FlexAttention ({attn_backend}; compiled, max-autotune) with a "
-        "causal block mask per row; ours sdpa causal. Same masking (no document masking in either)",
+        attention_note(attn_backend, "a causal block mask per row"),
     ]
     return cfg, notes
 
@@ -218,8 +223,7 @@ def titan022_model_args(hf, recipe, attn_backend: str):
         "differs: precision: torchtitan 0.2 on one GPU has no FSDP: fp32 parameters, gradients and AdamW, bf16 "
         "autocast for compute (routed experts' grouped GEMMs cast to bf16); ours trains bf16 parameters with fp32 "
         "optimizer master weights (DeepSpeed bf16)",
-        f"differs: attention kernel: torchtitan FlexAttention ({attn_backend}; compiled, max-autotune) with one "
-        "causal block mask; ours sdpa causal. Same masking (no document masking in either)",
+        attention_note(attn_backend, "one causal block mask"),
     ]
     return margs, notes
 
