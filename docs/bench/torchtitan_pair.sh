@@ -7,7 +7,7 @@
 # its grouped-GEMM MoE, FlexAttention (0.3.0: CUDA graphs, FSDP2 on the one GPU; 0.2.2 below), global batch = the
 # engine's micro x accum, micro TITAN_MICRO (16); activation checkpointing only if needed to fit (TITAN_TRIES, entries
 # micro:AC:CUDA-graphs; an out-of-memory run moves to the next entry, another failure retries once without CUDA graphs;
-# the first that runs is kept for later torchtitan runs). TITAN_ATTN (flex), TITAN_RESHARD (default:
+# the first that runs is kept for later torchtitan runs). TITAN_ATTN (0.3: flex, 0.2: sdpa), TITAN_RESHARD (default:
 # parallelism.fsdp_reshard_after_forward).
 # One FLOP formula for both (bin/bench.py's): FLOPs per token = 6 x active non-embedding parameters (output layer
 # included, routed experts at top-k / experts) + 3 x layers x 2 x seq x heads x (qk_head_dim + v_head_dim);
@@ -51,7 +51,8 @@ TITAN_VERSION=$(python3 -c "from importlib.metadata import version; print(versio
 python3 -c "import torch, deepspeed, transformers; print('torch', torch.__version__, 'deepspeed', \
 deepspeed.__version__, 'torchtitan $TITAN_VERSION', 'transformers', transformers.__version__, \
 torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')" || exit 1
-CG=1; case $TITAN_VERSION in 0.2.*) CG=0 ;; esac  # torchtitan 0.2 has no CUDA graphs
+# torchtitan 0.2 has no CUDA graphs; its measured runs used sdpa (FlexAttention untried with it), 0.3.0's default is flex
+CG=1; ATTN=flex; case $TITAN_VERSION in 0.2.*) CG=0; ATTN=sdpa ;; esac
 RECIPE=${RECIPE:-deepseek_2b6}; RECIPE_PATH=${RECIPE_PATH:-engine/recipes/$RECIPE.yaml}; MODE=${MODE:-speed}; BUDGET=${BUDGET:-570}
 STEPS=${STEPS:-20}; WARMUP=${WARMUP:-5}; LOSS_STEPS=${LOSS_STEPS:-100}
 J=$OUT/pair.jsonl; port=29930
@@ -146,7 +147,7 @@ r=[x for x in r if x.get('system') != 'torchtitan']; print(r[-1]['micro'] * r[-1
     if [ "$l" -lt 60 ]; then note "$label: skipped ($l s of BUDGET left)"; return 1; fi
     port=$((port + 1)); local t=$SECONDS log=$W/logs/${label}_m${m}_${ac}_cg$cg.log
     MASTER_PORT=$port timeout -k 15 "$l" python3 docs/bench/torchtitan_pair.py --config "$RECIPE_PATH" \
-      --global_batch "$G" --micro_batch "$m" --ac "$ac" --cuda_graphs "$cg" --attn "${TITAN_ATTN:-flex}" \
+      --global_batch "$G" --micro_batch "$m" --ac "$ac" --cuda_graphs "$cg" --attn "${TITAN_ATTN:-$ATTN}" \
       --reshard "${TITAN_RESHARD:-default}" \
       --out "$J" --label "$label" "$@" ${TITAN_ARGS:-} > "$log" 2>&1
     local rc=$?
