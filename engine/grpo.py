@@ -705,22 +705,38 @@ def mismatch_metrics(parts: torch.Tensor) -> dict[str, float]:
 
 
 class Timer:
-    """Wall time per named phase, the device synchronized at each lap, so a phase holds its device work. One lap per
-    phase, never per micro-batch: each synchronization stops the host from running ahead of the device, which
-    ZeRO-3's per-module hooks (host work) need to overlap with it."""
+    """Time per named phase without stopping the host. On CUDA an event is recorded on the stream at each lap and all
+    are read once, by phases() after the step's last lap; the host never waits between phases or micro-batches, so it
+    queues ahead as ZeRO-3's per-module hooks (host work) need. A phase's time is the stream's time between its two
+    laps: its kernels and any time the device waited for the host. Elsewhere the wall clock (a CPU runs each op as
+    it is called)."""
 
     def __init__(self):
         from deepspeed.accelerator import get_accelerator
 
-        self.sync = get_accelerator().synchronize
-        self.sync()
-        self.t, self.s = time.perf_counter(), {}
+        acc = get_accelerator()
+        self.new = (lambda: acc.Event(enable_timing=True)) if acc.device_name() == "cuda" else None
+        self.names, self.marks = [], [self._mark()]
+
+    def _mark(self):
+        if self.new is None:
+            return time.perf_counter()
+        e = self.new()
+        e.record()
+        return e
 
     def lap(self, name: str) -> None:
-        self.sync()
-        now = time.perf_counter()
-        self.s[name] = self.s.get(name, 0.0) + now - self.t
-        self.t = now
+        self.names.append(name)
+        self.marks.append(self._mark())
+
+    def phases(self) -> dict:
+        """Seconds per phase (one wait on CUDA: for the last lap's event)."""
+        if self.new is not None:
+            self.marks[-1].synchronize()
+        out = {}
+        for name, a, b in zip(self.names, self.marks, self.marks[1:]):
+            out[name] = out.get(name, 0.0) + (a.elapsed_time(b) / 1000 if self.new is not None else b - a)
+        return out
 
 
 def grpo_step(run: Run, rows: list[dict], sampling: SamplingConfig, step: int) -> dict:
@@ -734,7 +750,7 @@ def grpo_step(run: Run, rows: list[dict], sampling: SamplingConfig, step: int) -
     count = response_tokens(r)
     if count == 0:  # dynamic sampling dropped every group on every rank: the loss would be 0/0, the update NaN
         skip_update(run)
-        return metrics_row(run, r, scores, reward, {}, timer.s, 0, step, time.time() - t0, skipped=True)
+        return metrics_row(run, r, scores, reward, {}, timer.phases(), 0, step, time.time() - t0, skipped=True)
     refl = batched_logps(run.ref, r, run.micro, run.g.temperature) if run.ref is not None else None
     timer.lap("ref_s")
     old = old_logps(run, r)
@@ -742,7 +758,7 @@ def grpo_step(run: Run, rows: list[dict], sampling: SamplingConfig, step: int) -
     stats, mismatch = policy_update(run, r, adv, old, refl, count)
     timer.lap("policy_s")
     forwards = run.g.iterations + (old is not None) + (run.ref is not None)
-    return {**metrics_row(run, r, scores, reward, stats, timer.s, forwards, step, time.time() - t0), **mismatch}
+    return {**metrics_row(run, r, scores, reward, stats, timer.phases(), forwards, step, time.time() - t0), **mismatch}
 
 
 def metrics_row(run: Run, r: Rollouts, scores, reward, stats: dict, phases: dict, forwards: int, step: int,

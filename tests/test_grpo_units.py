@@ -228,3 +228,19 @@ def test_packed_micro_batches_give_the_same_loss_and_gradient(aggregation):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
     assert max(a.abs().max() for a in plain[1]) > 1e-4  # not vacuous
     assert packed[2] < 0.75 * plain[2], (packed[2], plain[2])  # padding columns skipped
+
+
+def test_phase_timer_sums_each_phase_from_consecutive_laps(monkeypatch):
+    """engine.grpo.Timer on the CPU (wall clock): a phase's time runs from the previous lap to its own, repeated
+    phases add up, and phases() reads them without changing them (on CUDA the same arithmetic over events)."""
+    import engine.grpo as grpo
+
+    clock = iter([10.0, 11.0, 13.0, 16.0])
+    monkeypatch.setattr(grpo.time, "perf_counter", lambda: next(clock))
+    t = grpo.Timer()
+    t.lap("ref_s")
+    t.lap("policy_s")
+    t.lap("ref_s")
+    assert t.phases() == {"ref_s": 1.0 + 3.0, "policy_s": 2.0}
+    assert t.phases() == {"ref_s": 4.0, "policy_s": 2.0}
+    assert list(t.phases()) == ["ref_s", "policy_s"]

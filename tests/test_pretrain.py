@@ -56,6 +56,30 @@ def test_every_shipped_config_resolves(recipe, ds, world):
     assert r.model.num_experts % ep == 0 and dp % ep == 0
     assert cfg["train_batch_size"] == cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * dp
     assert read_ds_config(ds)["expert_parallel"]["autoep_size"] == "auto"  # the file itself is untouched
+    assert "auto" not in cfg.get("zero_optimization", {}).values()  # DeepSpeed would take its defaults silently
+
+
+@pytest.mark.parametrize("world, offload, written, expect", [
+    (1, None, None, (10**10, 10**10, 5 * 10**8)),  # one rank: a gather is a view of its own partition
+    (2, None, None, (10**9, 10**9, 5 * 10**7)),  # several: DeepSpeed's defaults (each would hold the whole model)
+    (16, None, None, (10**9, 10**9, 5 * 10**7)),
+    (1, "cpu", None, (10**9, 10**9, 5 * 10**7)),  # offloaded parameters would all stay on the GPU
+    (1, "none", None, (10**10, 10**10, 5 * 10**8)),
+    (1, None, 123, (123, 10**10, 5 * 10**8)),  # a number in the file is kept
+])
+def test_zero3_gather_settings_auto_keep_gathered_parameters_on_one_rank_only(world, offload, written, expect):
+    from engine.ds_config import ZERO3_GATHER
+
+    raw = read_ds_config(ZERO3)
+    z = raw["zero_optimization"]
+    assert all(z[k] == "auto" for k in ZERO3_GATHER)  # as shipped
+    if offload:
+        z["offload_param"] = {"device": offload}
+    if written is not None:
+        z["stage3_max_live_parameters"] = written
+    cfg = resolve_ds_config(raw, load_recipe(None), world_size=world, ranks_per_node=min(world, 8),
+                            auto_batch=AutoBatch(memory_gib=80.0))
+    assert tuple(cfg["zero_optimization"][k] for k in ZERO3_GATHER) == expect
 
 
 @pytest.mark.parametrize("ds, device, written, expect", [
