@@ -43,31 +43,10 @@ from engine.ds_config import read_ds_config, resolve_ds_config  # noqa: E402
 from engine.data import load_tokenizer, to_device  # noqa: E402
 from engine.parallel import device_kind, init_distributed, world_from_env  # noqa: E402
 from engine import pipeline, pretrain  # noqa: E402
+from engine.flops import model_flops_per_token  # noqa: E402
 from engine.proc import print_error  # noqa: E402
 
 PEAK_TFLOPS = 989.0
-
-
-def model_flops_per_token(engine, cfg, seq_len: int, ep: int) -> tuple[float, float, float]:
-    """(flops per token, total params, active params), counted from the live engine's parameters."""
-    total = active = 0.0
-    E, k = getattr(cfg, "n_routed_experts", None) or cfg.num_experts, cfg.num_experts_per_tok
-    for name, p in engine.module.named_parameters():
-        n = float(getattr(p, "ds_numel", p.numel()))
-        if ".experts." in name:  # routed experts: AutoEP's w1/w2/w3 hold E/ep of them, HF's fused tensors all E
-            n_all = n * ep if ".experts.w" in name else n
-            total += n_all
-            active += n_all * k / E
-            continue
-        total += n
-        if "embed_tokens" not in name:
-            active += n
-    total, active = pipeline.sum_over_stages(engine, total, active)  # a pipeline rank holds one stage
-    heads = cfg.num_attention_heads
-    qk = getattr(cfg, "qk_head_dim", None) or getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    v = getattr(cfg, "v_head_dim", None) or qk
-    attn = 3 * cfg.num_hidden_layers * 2 * seq_len * heads * (qk + v)
-    return 6 * active + attn, total, active
 
 
 def main() -> int:

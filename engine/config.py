@@ -83,6 +83,9 @@ class DataConfig:
     split: str = "train"
     curriculum: DataCurriculumConfig = field(default_factory=DataCurriculumConfig)
     """Pretraining only: order the first epoch's documents (short to long, or by a score column)."""
+    seed: int | None = None
+    """The order of the training windows (the shuffle, and ties in a curriculum); null: train.seed. Another value with
+    the same train.seed trains the same initial model on another data order (a run-to-run noise floor)."""
 
 
 @dataclass
@@ -254,6 +257,10 @@ class Recipe:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def data_seed(self) -> int:
+        """The seed of the data order: data.seed, else train.seed."""
+        return self.train.seed if self.data.seed is None else self.data.seed
 
 
 # model.arch -> the Hugging Face model_type it is built as (qwen3_5_moe: the text-only causal LM of Qwen3.5-MoE)

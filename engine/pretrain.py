@@ -14,6 +14,7 @@ import torch
 
 from . import checkpoint, pipeline
 from .auto_batch import AutoBatch, device_memory_gib, host_memory_problem
+from .flops import model_flops_per_token, peak_tflops
 from .fp8 import can_run_fp8, convert as fp8_convert, convert_experts as fp8_experts, fp8_problems
 from .balance import ExpertBalance
 from .config import ConfigError, Recipe, load_recipe
@@ -158,7 +159,7 @@ def build(recipe: Recipe, ds: dict, tok, world: World):
     """Data for this rank, the model (partitioned from birth), the DeepSpeed engine."""
     torch.manual_seed(recipe.train.seed)
     dp_rank, dp_size = pipeline.data_coords(ds, world.rank, world.size)  # the world itself without a pipeline
-    data = build_data(recipe.data, tok, dp_rank, dp_size, recipe.train.seed)
+    data = build_data(recipe.data, tok, dp_rank, dp_size, recipe.data_seed())
     if pipeline.is_pipeline(ds):
         model = pipeline.build_pipeline(recipe.model, ds, tok, dtype=model_dtype(ds), seed=recipe.train.seed,
                                         activation_checkpointing=recipe.train.activation_checkpointing)
@@ -235,6 +236,9 @@ def train(recipe: Recipe, engine, data, tok, world: World) -> list[dict]:
         saver.close()
         raise DataStop(batches.error, step + 1)
     metrics = Metrics(recipe.run_dir, recipe.train.max_steps, step, engine.monitor)
+    ep = (engine.config.get("expert_parallel") or {}).get("autoep_size", 1)
+    flops_tok = model_flops_per_token(engine, engine.module.config, recipe.data.seq_len, ep)[0]
+    peak = peak_tflops(device)
     rows, t0, loss_sum, logged = [], time.time(), torch.zeros((), device=device), step
     while step < recipe.train.max_steps:
         position, loss = train_step(engine, batches, accum, position)
@@ -252,6 +256,8 @@ def train(recipe: Recipe, engine, data, tok, world: World) -> list[dict]:
             row = {"step": step, "loss": loss_sum.item() / n / world.size, "lr": engine.get_lr()[0],
                    "tokens_per_s": n * tokens_per_step / elapsed,
                    "tokens_per_s_per_rank": n * tokens_per_step / elapsed / world.size,
+                   "tflops_per_s_per_rank": n * tokens_per_step / elapsed / world.size * flops_tok / 1e12,
+                   **({"mfu": n * tokens_per_step / elapsed / world.size * flops_tok / 1e12 / peak} if peak else {}),
                    "tokens": tokens, "world_size": world.size, "peak_mem_gib": peak_memory_gib(),
                    **balance.load_stats()}
             metrics.log(row)

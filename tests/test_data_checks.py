@@ -297,3 +297,19 @@ def test_a_bad_streamed_row_on_one_of_two_ranks_stops_both_at_a_step_with_a_chec
     assert 0 < step < 100 and read_metrics(tmp_path / "run")[-1]["step"] == step
     assert f"error: data.path {tmp_path}/docs: the row {{\"text\": null}} (" in errors[0], errors[0]
     assert f"(reading the data of step {step + 1}; saved step {step}, continue with --resume" in errors[0]
+
+
+def test_data_seed_orders_the_data_apart_from_the_init_seed():
+    """data.seed changes the order of the windows and nothing else; unset, train.seed orders them as before."""
+    from engine.config import ConfigError, load_recipe
+    from engine.data import build_data, load_tokenizer
+
+    base = load_recipe(None, {"train.seed": 5})
+    other = load_recipe(None, {"train.seed": 5, "data.seed": 6})
+    assert (base.data_seed(), other.data_seed()) == (5, 6)
+    tok = load_tokenizer(base.data.tokenizer)
+    a, b = (build_data(r.data, tok, 0, 1, r.data_seed()) for r in (base, other))
+    order = lambda d: [tuple(d.sequences[d.global_index(i)]) for i in range(len(d))]  # noqa: E731
+    assert order(a) != order(b) and sorted(order(a)) == sorted(order(b))
+    with pytest.raises(ConfigError, match="data.seed"):
+        load_recipe(None, {"data.seed": "six"})

@@ -340,6 +340,18 @@ def test_metrics_and_overrides_reach_the_run(tmp_path):
               "--run_dir", tmp_path / "run", cwd=tmp_path)
     m = read_metrics(tmp_path / "run")
     assert m[-1]["step"] == 5 and m[-1]["world_size"] == 1
+    # model FLOPs, counted here from the recipe's shapes (not the engine's parameters): 6 x active non-embedding
+    # parameters (experts at top-k / E, the output layer in) + 3 x layers x 2 x seq x heads x (qk + v head dims)
+    from engine.auto_batch import param_counts
+
+    r = load_recipe(None).model
+    total, experts = param_counts(r)
+    active = total - experts + experts * r.experts_per_token / r.num_experts - r.vocab_size * r.hidden_size
+    seq = load_recipe(None).data.seq_len
+    flops = 6 * active + 3 * r.num_layers * 2 * seq * r.num_heads * (r.qk_nope_head_dim + r.qk_rope_head_dim + r.v_head_dim)
+    for row in m:
+        assert row["tflops_per_s_per_rank"] == pytest.approx(row["tokens_per_s_per_rank"] * flops / 1e12, rel=1e-6)
+        assert "mfu" not in row  # no known peak on a CPU
     # DeepSpeed's monitor (csv here; tensorboard/wandb the same way) gets the rows metrics.jsonl gets
     csv_rows = (tmp_path / "csv" / "job" / "Train_loss.csv").read_text().split()[1:]
     assert [(int(a), float(b)) for a, b in (r.split(",") for r in csv_rows)] == [(r["step"], r["loss"]) for r in m]

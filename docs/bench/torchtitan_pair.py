@@ -573,7 +573,7 @@ def main() -> int:
           f"({len(groups)} param group(s)); LR x{mult(0):.3g} at step 1, peak {recipe.train.lr:g}",
           flush=True)
 
-    data = build_data(recipe.data, tok, 0, 1, recipe.train.seed)
+    data = build_data(recipe.data, tok, 0, 1, recipe.data_seed())
     batches = data.micro_batches(micro, 0, 1)
     positions = torch.arange(seq, device=device).expand(micro, seq).contiguous()  # one document per row: causal
 

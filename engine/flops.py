@@ -1,0 +1,46 @@
+"""Model FLOPs per token and MFU: one count for bin/pretrain.py's metrics, bin/bench.py and the benchmark scripts.
+
+FLOPs per token = 6 x active non-embedding parameters (the output layer included; routed experts at top-k / experts)
++ 3 x layers x 2 x seq x heads x (qk head dim + v head dim) for attention. Recomputation (activation checkpointing)
+is not counted: this is model FLOPs, the MFU convention.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import pipeline
+
+# Dense bf16 peak (TFLOP/s, no sparsity) by the device name's model; MFU is left out on any other device.
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "H20": 148.0, "A100": 312.0, "A800": 312.0}
+
+
+def model_flops_per_token(engine, cfg, seq_len: int, ep: int) -> tuple[float, float, float]:
+    """(FLOPs per token, total parameters, active parameters), counted from the live engine's parameters (ZeRO-3's
+    ds_numel; AutoEP's w1/w2/w3 hold E/ep experts per rank, transformers' fused expert tensors all E)."""
+    total = active = 0.0
+    E, k = getattr(cfg, "n_routed_experts", None) or cfg.num_experts, cfg.num_experts_per_tok
+    for name, p in engine.module.named_parameters():
+        n = float(getattr(p, "ds_numel", p.numel()))
+        if ".experts." in name:
+            n_all = n * ep if ".experts.w" in name else n
+            total += n_all
+            active += n_all * k / E
+            continue
+        total += n
+        if "embed_tokens" not in name:
+            active += n
+    total, active = pipeline.sum_over_stages(engine, total, active)  # a pipeline rank holds one stage
+    heads = cfg.num_attention_heads
+    qk = getattr(cfg, "qk_head_dim", None) or getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    v = getattr(cfg, "v_head_dim", None) or qk
+    attn = 3 * cfg.num_hidden_layers * 2 * seq_len * heads * (qk + v)
+    return 6 * active + attn, total, active
+
+
+def peak_tflops(device: torch.device | str) -> float | None:
+    """The device's dense bf16 peak from PEAK_BF16_TFLOPS, None for a CPU or a GPU not listed."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if f" {k}" in f" {name}"), None)
