@@ -59,15 +59,16 @@ def test_every_shipped_config_resolves(recipe, ds, world):
     assert "auto" not in cfg.get("zero_optimization", {}).values()  # DeepSpeed would take its defaults silently
 
 
-@pytest.mark.parametrize("world, offload, written, expect", [
-    (1, None, None, (10**10, 10**10, 5 * 10**8)),  # one rank: a gather is a view of its own partition
-    (2, None, None, (10**9, 10**9, 5 * 10**7)),  # several: DeepSpeed's defaults (each would hold the whole model)
-    (16, None, None, (10**9, 10**9, 5 * 10**7)),
-    (1, "cpu", None, (10**9, 10**9, 5 * 10**7)),  # offloaded parameters would all stay on the GPU
-    (1, "none", None, (10**10, 10**10, 5 * 10**8)),
-    (1, None, 123, (123, 10**10, 5 * 10**8)),  # a number in the file is kept
+@pytest.mark.parametrize("world, device, offload, written, expect", [
+    (1, "cuda", None, None, (10**10, 10**10, 5 * 10**8)),  # one GPU: a gather is a view of its own partition
+    (2, "cuda", None, None, (10**9, 10**9, 5 * 10**7)),  # several: DeepSpeed's defaults (each would hold the model)
+    (16, "cuda", None, None, (10**9, 10**9, 5 * 10**7)),
+    (1, "cuda", "cpu", None, (10**9, 10**9, 5 * 10**7)),  # offloaded parameters would all stay on the GPU
+    (1, "cuda", "none", None, (10**10, 10**10, 5 * 10**8)),
+    (1, "cuda", None, 123, (123, 10**10, 5 * 10**8)),  # a number in the file is kept
+    (1, "cpu", None, None, (10**9, 10**9, 5 * 10**7)),  # CPU ranks: measured slower with the single-rank values
 ])
-def test_zero3_gather_settings_auto_keep_gathered_parameters_on_one_rank_only(world, offload, written, expect):
+def test_zero3_gather_settings_auto_keep_gathered_parameters_on_one_gpu_only(world, device, offload, written, expect):
     from engine.ds_config import ZERO3_GATHER
 
     raw = read_ds_config(ZERO3)
@@ -77,7 +78,7 @@ def test_zero3_gather_settings_auto_keep_gathered_parameters_on_one_rank_only(wo
         z["offload_param"] = {"device": offload}
     if written is not None:
         z["stage3_max_live_parameters"] = written
-    cfg = resolve_ds_config(raw, load_recipe(None), world_size=world, ranks_per_node=min(world, 8),
+    cfg = resolve_ds_config(raw, load_recipe(None), world_size=world, ranks_per_node=min(world, 8), device=device,
                             auto_batch=AutoBatch(memory_gib=80.0))
     assert tuple(cfg["zero_optimization"][k] for k in ZERO3_GATHER) == expect
 
