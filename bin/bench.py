@@ -43,10 +43,9 @@ from engine.ds_config import read_ds_config, resolve_ds_config  # noqa: E402
 from engine.data import load_tokenizer, to_device  # noqa: E402
 from engine.parallel import device_kind, init_distributed, world_from_env  # noqa: E402
 from engine import pipeline, pretrain  # noqa: E402
-from engine.flops import model_flops_per_token  # noqa: E402
+from engine.flops import H100_SXM_BF16_TFLOPS as PEAK_TFLOPS, model_flops_per_token  # noqa: E402
 from engine.proc import print_error  # noqa: E402
 
-PEAK_TFLOPS = 989.0
 
 
 def main() -> int:

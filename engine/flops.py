@@ -6,12 +6,18 @@ is not counted: this is model FLOPs, the MFU convention.
 """
 from __future__ import annotations
 
+import re
+
 import torch
 
 from . import pipeline
 
-# Dense bf16 peak (TFLOP/s, no sparsity) by the device name's model; MFU is left out on any other device.
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "H20": 148.0, "A100": 312.0, "A800": 312.0}
+H100_SXM_BF16_TFLOPS = 989.0  # dense bf16 peak of an H100 SXM, and of the H200 and H800: bin/bench.py's MFU reference
+# Dense bf16 peak (TFLOP/s, no sparsity) by the GPU model in the device's name, first match wins (the PCIe and NVL
+# H100s and H200s are slower than the SXM ones); MFU is left out on any other device.
+PEAK_BF16_TFLOPS = ((r"H100 PCIe", 756.0), (r"H100 NVL", 835.0), (r"H100", H100_SXM_BF16_TFLOPS),
+                    (r"H200 NVL", 835.0), (r"H200", H100_SXM_BF16_TFLOPS), (r"H800", H100_SXM_BF16_TFLOPS),
+                    (r"H20", 148.0), (r"A100", 312.0), (r"A800", 312.0))
 
 
 def model_flops_per_token(engine, cfg, seq_len: int, ep: int) -> tuple[float, float, float]:
@@ -42,5 +48,9 @@ def peak_tflops(device: torch.device | str) -> float | None:
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16_TFLOPS.items() if f" {k}" in f" {name}"), None)
+    return peak_for_name(torch.cuda.get_device_name(device))
+
+
+def peak_for_name(name: str) -> float | None:
+    """PEAK_BF16_TFLOPS's entry for a device name (whole words: "H20" is not the start of "H200")."""
+    return next((v for k, v in PEAK_BF16_TFLOPS if re.search(rf"\b{k}\b", name)), None)

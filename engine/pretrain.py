@@ -253,11 +253,11 @@ def train(recipe: Recipe, engine, data, tok, world: World) -> list[dict]:
             n = step - logged  # steps since the last row (fewer after a resume or a stop)
             torch.distributed.all_reduce(loss_sum)
             elapsed = time.time() - t0
+            per_rank = n * tokens_per_step / elapsed / world.size  # tokens/s
             row = {"step": step, "loss": loss_sum.item() / n / world.size, "lr": engine.get_lr()[0],
-                   "tokens_per_s": n * tokens_per_step / elapsed,
-                   "tokens_per_s_per_rank": n * tokens_per_step / elapsed / world.size,
-                   "tflops_per_s_per_rank": n * tokens_per_step / elapsed / world.size * flops_tok / 1e12,
-                   **({"mfu": n * tokens_per_step / elapsed / world.size * flops_tok / 1e12 / peak} if peak else {}),
+                   "tokens_per_s": n * tokens_per_step / elapsed, "tokens_per_s_per_rank": per_rank,
+                   "tflops_per_s_per_rank": per_rank * flops_tok / 1e12,
+                   **({"mfu": per_rank * flops_tok / 1e12 / peak} if peak else {}),
                    "tokens": tokens, "world_size": world.size, "peak_mem_gib": peak_memory_gib(),
                    **balance.load_stats()}
             metrics.log(row)

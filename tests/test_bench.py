@@ -99,3 +99,13 @@ def test_profile_shares_classify_ops_and_kernels_and_skip_stall_markers():
     assert lines[0] == "kernel shares (kernel time 1.0 ms, device busy 50.0% of 0.002 s wall):"
     assert [line.split("%")[0].strip() for line in lines[1:]] == ["50.0", "25.0", "10.0", "10.0", "5.0", "0.0"]
     assert "dense GEMMs" in lines[1] and "grouped GEMMs" in lines[2] and "optimizer" in lines[5]
+
+
+def test_mfu_peak_comes_from_the_gpu_model_by_whole_name():
+    from engine.flops import H100_SXM_BF16_TFLOPS, peak_for_name
+
+    assert peak_for_name("NVIDIA H200") == peak_for_name("NVIDIA H100 80GB HBM3") == H100_SXM_BF16_TFLOPS
+    assert peak_for_name("NVIDIA H20") == 148.0  # not an H200
+    assert peak_for_name("NVIDIA H100 PCIe") == 756.0 and peak_for_name("NVIDIA H200 NVL") == 835.0
+    assert peak_for_name("NVIDIA A100-SXM4-80GB") == 312.0
+    assert peak_for_name("NVIDIA L4") is None  # no MFU rather than a wrong one

@@ -56,7 +56,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-PEAK_TFLOPS = 989.0
 
 
 def titan_version() -> tuple[int, int]:
@@ -511,6 +510,7 @@ def main() -> int:
 
     from engine.config import load_recipe
     from engine.data import build_data, load_tokenizer, to_device
+    from engine.flops import H100_SXM_BF16_TFLOPS as PEAK_TFLOPS
     from engine.parallel import lr_multiplier
 
     sets = {}
