@@ -157,7 +157,9 @@ def save(engine, recipe: Recipe, state: dict, tokenizer=None) -> Path:
     root = ckpt_dir(recipe.run_dir)
     tag = tag_for(state["step"])
     rank = dist.get_rank()
-    if tag == latest(recipe.run_dir):
+    saved = torch.tensor([float(tag == latest(recipe.run_dir))], device=engine.device)
+    dist.broadcast(saved, 0)  # rank 0's `latest` decides for all: other nodes' disks may hold none, or an older one
+    if saved.item():
         return root / tag  # already saved (e.g. stopped right after resuming from it); never rewrite `latest`'s tag
     if rank == 0:  # left by a save that crashed (DeepSpeed would mix its files with ours), or a stale conversion
         shutil.rmtree(root / tag, ignore_errors=True)

@@ -27,8 +27,10 @@ from .ds_config import BATCH_KEYS, read_ds_config, resolve_ds_config, zero_stage
 from .grpo_math import GRPOLossConfig, group_advantages, keep_mask, kl_k3, policy_loss
 from .metrics import Metrics, print0
 from .model import build_model, make_hf_config
-from .pretrain import check_ranks_agree, forget_zero3_for_transformers, peak_memory_gib, report_error
-from .parallel import World, build_engine, device_kind, init_distributed, model_dtype, world_from_env
+from .pretrain import (check_ranks_agree, forget_zero3_for_transformers, peak_memory_gib, report_error,
+                       start_ranks)
+from .parallel import World, build_engine, device_kind, model_dtype, world_from_env
+from .proc import print_error
 from .rewards import build_rewards
 from .routing import Router, agreement, has_moe
 from .rollout import build_rollout, local_copy
@@ -950,12 +952,16 @@ def _device():
 def main(argv=None) -> int:
     args = parse_args(argv)
     world = world_from_env()
+    problem = None
     try:
         recipe, ds, tok, prompts, evals, rewards, init = preflight(args, world)
     except ConfigError as e:
-        report_error(e, world)
+        problem = e
+    found = start_ranks(world, problem)
+    if found:
+        if world.rank == 0:
+            print_error(f"error: {found}")
         return 2
-    init_distributed()
     try:
         check_ranks_agree(ds)  # "auto" follows each rank's device
     except ConfigError as e:

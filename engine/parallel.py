@@ -5,9 +5,12 @@ the model's MoE blocks for AutoEP layers (expert parallelism), then wraps everyt
 """
 from __future__ import annotations
 
+import faulthandler
 import logging
 import math
 import os
+import signal
+import threading
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,24 +35,37 @@ def world_from_env() -> World:
                  local_size=int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", size))))
 
 
-def init_distributed() -> None:
+def init_distributed(watchdog: bool = True) -> None:
+    """Join the job's other ranks (DeepSpeed's process group on this rank's device); `watchdog`: start the peer
+    watchdog too (engine/watchdog.py)."""
     import deepspeed
 
     if "RANK" not in os.environ:  # one process without a launcher: a world of one on localhost
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1",
                           MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
                           MASTER_PORT=os.environ.get("MASTER_PORT", str(29500 + os.getpid() % 1000)))
+    dump_stacks_on_sigusr1()
     skip_cpu_shm_op()
     quick_cpu_info()
     quiet_torch_deprecations_in_deepspeed()
     deepspeed.init_distributed()
     # DeepSpeed's own process groups wait up to torch's default timeout (10-30 min) on a dead peer; the watchdog
     # ends this rank within MOE_PEER_TIMEOUT s (default 30) instead (docs/multinode.md).
-    start_peer_watchdog()
+    if watchdog:
+        start_peer_watchdog()
     from deepspeed.accelerator import get_accelerator
 
     if get_accelerator().device_name() == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def dump_stacks_on_sigusr1() -> None:
+    """`kill -USR1 <rank pid>` prints every thread's Python stack to the rank's stderr (the launcher's log) and the rank
+    goes on: where a job that makes no progress waits (docs/multinode.md, 'A job that hangs'). Left alone when
+    something else already handles SIGUSR1."""
+    if (hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None)):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 # torch 2.13 deprecates the two collectives DeepSpeed 0.19.8's ZeRO runs on (deepspeed/comm/torch.py picks them by

@@ -298,6 +298,42 @@ def zero_step(engine, batches, accum: int, position: int) -> tuple[int, torch.Te
     return position, loss_sum
 
 
+def start_ranks(world: World, problem: ConfigError | None) -> str | None:
+    """init_distributed on every rank, also on one whose preflight failed; returns what every rank found wrong as one
+    line (None when nothing). A world of one with a problem stops before it.
+
+    Why a rank that failed still joins: its problem can be its own (node-local disks: a node without the checkpoint or
+    the corpus). Each node's launcher watches only that node's ranks, so a rank that just exits leaves the other nodes'
+    ranks waiting at the rendezvous for torch's timeout (10 min); joining first, every rank learns of it at once and
+    the whole job exits 2 with the line. The line names every distinct problem once, and the rank and host of any
+    that is not rank 0's."""
+    import socket
+
+    import torch.distributed as dist
+
+    if problem is not None and world.size == 1:
+        return str(problem)
+    try:
+        peer_timeout()
+        watchdog = True
+    except PeerTimeoutError:  # already in `problem`; the other ranks' watchdogs give up on this one within their timeout
+        watchdog = False
+    init_distributed(watchdog=watchdog)
+    if world.size == 1:
+        return None
+    found = [None] * world.size
+    dist.all_gather_object(found, None if problem is None else (socket.gethostname(), str(problem)))
+    parts: dict[str, list] = {}  # problem -> [first rank, its host, how many ranks]
+    for r, f in enumerate(found):
+        if f is not None:
+            parts.setdefault(f[1], [r, f[0], 0])[2] += 1
+    if not parts:
+        return None
+    say = lambda r, host, n: "" if r == 0 else (f"rank {r} on {host}" + (f" (and {n - 1} other ranks)" if n > 1 else "")
+                                                + ": ")  # noqa: E731
+    return "; ".join(say(r, host, n) + msg for msg, (r, host, n) in parts.items())
+
+
 def report_error(e: Exception, world: World) -> None:
     """One line on stderr, after the launcher's own lines (engine/proc.py: print_error): from rank 0, and from each
     other node's first rank (node-local disks can differ)."""
@@ -329,12 +365,16 @@ def forget_zero3_for_transformers() -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     world = world_from_env()
+    problem = None
     try:
         recipe, ds, tok = preflight(args, world)
     except ConfigError as e:
-        report_error(e, world)
+        problem = e
+    found = start_ranks(world, problem)
+    if found:
+        if world.rank == 0:
+            print_error(f"error: {found}")
         return 2
-    init_distributed()
     try:
         apply_memory_fraction(args.memory_fraction)
         check_ranks_agree(ds)

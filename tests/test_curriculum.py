@@ -307,7 +307,6 @@ def test_bad_input_from_the_entry_points_is_one_line_and_exit_2(tmp_path, capfd,
         f"error: data.curriculum.score_column 'difficulty' is not a column of {tmp_path / 'd.jsonl'} (columns: "
         "['text']); name a numeric column, or set data.curriculum.mode: length"], p.stderr
 
-    monkeypatch.setattr(engine.grpo, "init_distributed", engine.pretrain.init_distributed)  # made to fail above
     tiny = (ROOT / "engine" / "recipes" / "grpo_tiny.yaml").read_text()
     bad = tiny.replace("  eval_every: 20\n", "  eval_every: 20\n  curriculum: {enabled: true, band: [0.9, 0.1]}\n")
     assert bad != tiny

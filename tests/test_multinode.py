@@ -514,21 +514,44 @@ def test_killing_one_rank_ends_the_whole_job_within_60s(cluster, job):
     assert latest(cluster.work / RUN) == tag(EVERY)
 
 
+def wait_or_dump(p: subprocess.Popen, timeout: float, cluster, log: str) -> int:
+    """The launch's exit code; past `timeout`, every rank prints its threads' stacks (SIGUSR1: engine/parallel.py)
+    into the log, and the test fails with the log's end. The launch is ended either way."""
+    try:
+        return p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for r in (0, 1):
+            pid = rank_pid(cluster.work, r, "bin/pretrain.py")
+            if pid:
+                os.kill(pid, signal.SIGUSR1)
+        time.sleep(5)
+        pytest.fail(f"still running after {timeout} s; the ranks' stacks are at the end:\n{tail(cluster.tmp / log, 20000)}")
+    finally:
+        end_job(p, cluster.work)
+
+
 def test_resume_after_syncing_checkpoints_completes(cluster, job):
     if job.proc.poll() is None:
         pytest.fail("the killed job is still running")
     run = cluster.work / RUN
+    before = len(read_metrics(run))  # metrics.jsonl is appended to: the killed run's rows come first
+    if cluster.local_disks:
+        # Without the sync node 1 has no checkpoint: its rank fails its resume check, and the whole job ends with
+        # exit 2 and that rank's line (before: rank 0 waited at the rendezvous for torch's 10 min).
+        t0 = time.time()
+        rc = wait_or_dump(launch(cluster, "resume", log="unsynced.log"), 300, cluster, "unsynced.log")
+        log = (cluster.tmp / "unsynced.log").read_text()
+        errors = [line for line in log.splitlines() if "error: " in line]
+        print(f"--resume before the sync: exit {rc} after {time.time() - t0:.1f} s")
+        assert rc != 0 and len(errors) == 1 and "error: rank 1 on " in errors[0], log[-4000:]
+        assert "--resume: no checkpoint in runs/smoke/checkpoints" in errors[0], errors
+        assert len(read_metrics(run)) == before  # nothing trained
     # The guide's steps for node-local disks, on node 0: gather every node's shards, then give every node
     # the whole checkpoint (`latest`, manifest, rank 0's files) so that each rank's resume check passes.
     run_block(cluster, "sync-checkpoints", check=True, timeout=120)
     resumed_from = latest(run)
     assert (cluster.node1_runs / "smoke" / "checkpoints" / "latest").read_text().strip() == resumed_from
-    before = len(read_metrics(run))  # metrics.jsonl is appended to: the killed run's rows come first
-    p = launch(cluster, "resume", log="resume.log")
-    try:
-        rc = p.wait(timeout=600)
-    finally:
-        end_job(p, cluster.work)
+    rc = wait_or_dump(launch(cluster, "resume", log="resume.log"), 600, cluster, "resume.log")
     assert rc == 0, tail(cluster.tmp / "resume.log")
     rows = read_metrics(run)
     start = int(resumed_from.split("_")[1])

@@ -249,11 +249,12 @@ def test_prefix_reuse_decodes_fewer_tokens_than_the_same_leaves_as_independent_c
 
 def grpo_cli(tmp_path, capfd, monkeypatch, recipe: str, ds=ZERO3_GRPO):
     import engine.grpo
+    import engine.pretrain
 
     def no_work(*a, **k):
         raise AssertionError("got past the checks to init_distributed (bad input was let through)")
 
-    monkeypatch.setattr(engine.grpo, "init_distributed", no_work)
+    monkeypatch.setattr(engine.pretrain, "init_distributed", no_work)  # engine.grpo joins through it
     (tmp_path / "recipe.yaml").write_text(recipe.replace("grpo:\n", "grpo:\n  allow_random_init: true\n", 1))
     return run_in_process(engine.grpo.main, ["--deepspeed_config", ds, "--config", tmp_path / "recipe.yaml",
                                              "--run_dir", tmp_path / "run"], capfd, monkeypatch, cwd=ROOT,
