@@ -299,39 +299,47 @@ def zero_step(engine, batches, accum: int, position: int) -> tuple[int, torch.Te
 
 
 def start_ranks(world: World, problem: ConfigError | None) -> str | None:
-    """init_distributed on every rank, also on one whose preflight failed; returns what every rank found wrong as one
-    line (None when nothing). A world of one with a problem stops before it.
+    """init_distributed, then what every rank's preflight found wrong, as one line (None when nothing).
 
-    Why a rank that failed still joins: its problem can be its own (node-local disks: a node without the checkpoint or
-    the corpus). Each node's launcher watches only that node's ranks, so a rank that just exits leaves the other nodes'
-    ranks waiting at the rendezvous for torch's timeout (10 min); joining first, every rank learns of it at once and
-    the whole job exits 2 with the line. The line names every distinct problem once, and the rank and host of any
-    that is not rank 0's."""
-    import socket
+    A rank whose preflight failed joins too (fail_together) when the world has other ranks: its problem can be its own
+    (node-local disks: a node without the checkpoint or the corpus), and each node's launcher watches only that node's
+    ranks, so a rank that just exited left the other nodes' ranks waiting at the rendezvous for torch's timeout
+    (10 min). A world of one with a problem stops before any of it."""
+    if problem is None:
+        init_distributed()
+        return gather_problems(world, None)
+    return fail_together(world, problem) if world.size > 1 else str(problem)
 
-    import torch.distributed as dist
 
-    if problem is not None and world.size == 1:
-        return str(problem)
+def fail_together(world: World, problem: ConfigError) -> str:
+    """This rank's preflight failed: join the other ranks only to tell them (and to hear theirs)."""
     try:
         peer_timeout()
         watchdog = True
     except PeerTimeoutError:  # already in `problem`; the other ranks' watchdogs give up on this one within their timeout
         watchdog = False
     init_distributed(watchdog=watchdog)
+    return gather_problems(world, problem)
+
+
+def gather_problems(world: World, problem: ConfigError | None) -> str | None:
+    """Every rank's problem (a collective): each distinct one once, with the rank and host of any that is not rank
+    0's, joined into one line; None when no rank has one."""
+    import socket
+
+    import torch.distributed as dist
+
     if world.size == 1:
-        return None
+        return None if problem is None else str(problem)
     found = [None] * world.size
     dist.all_gather_object(found, None if problem is None else (socket.gethostname(), str(problem)))
     parts: dict[str, list] = {}  # problem -> [first rank, its host, how many ranks]
     for r, f in enumerate(found):
         if f is not None:
             parts.setdefault(f[1], [r, f[0], 0])[2] += 1
-    if not parts:
-        return None
     say = lambda r, host, n: "" if r == 0 else (f"rank {r} on {host}" + (f" (and {n - 1} other ranks)" if n > 1 else "")
                                                 + ": ")  # noqa: E731
-    return "; ".join(say(r, host, n) + msg for msg, (r, host, n) in parts.items())
+    return "; ".join(say(r, host, n) + msg for msg, (r, host, n) in parts.items()) or None
 
 
 def report_error(e: Exception, world: World) -> None:

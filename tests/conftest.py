@@ -285,7 +285,8 @@ def run_in_process(main, argv: list, capfd, monkeypatch, cwd: Path | None = None
     refuses the input takes milliseconds. What a fresh process prints at import time is checked once per entry
     point by a test that still runs it as a subprocess. Stopping "before any work" is enforced here:
     `init_distributed` (engine.pretrain's and the entry point module's) raises, so a check that lets bad input
-    through fails instead of waiting for ranks that do not exist.
+    through fails instead of waiting for ranks that do not exist. A rank that refuses in a world of several joins the
+    others only to tell them (engine.pretrain.fail_together); here it is alone, so it says its own problem.
     """
     import engine.pretrain
 
@@ -293,6 +294,7 @@ def run_in_process(main, argv: list, capfd, monkeypatch, cwd: Path | None = None
         raise AssertionError(f"{argv}: got past the checks to init_distributed (bad input was let through)")
 
     monkeypatch.setattr(engine.pretrain, "init_distributed", no_work)
+    monkeypatch.setattr(engine.pretrain, "fail_together", lambda world, problem: str(problem))
     own = sys.modules[main.__module__]  # engine.grpo imports its own name for it
     if hasattr(own, "init_distributed"):
         monkeypatch.setattr(own, "init_distributed", no_work)
