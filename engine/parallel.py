@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import threading
 import warnings
 from contextlib import contextmanager
@@ -35,9 +36,11 @@ def world_from_env() -> World:
                  local_size=int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", size))))
 
 
-def init_distributed(watchdog: bool = True) -> None:
+def init_distributed(watchdog: bool = True, timeout_s: float | None = None) -> None:
     """Join the job's other ranks (DeepSpeed's process group on this rank's device); `watchdog`: start the peer
-    watchdog too (engine/watchdog.py)."""
+    watchdog too (engine/watchdog.py); `timeout_s`: how long to wait for them (DeepSpeed's default: 10 min)."""
+    from datetime import timedelta
+
     import deepspeed
 
     if "RANK" not in os.environ:  # one process without a launcher: a world of one on localhost
@@ -48,7 +51,7 @@ def init_distributed(watchdog: bool = True) -> None:
     skip_cpu_shm_op()
     quick_cpu_info()
     quiet_torch_deprecations_in_deepspeed()
-    deepspeed.init_distributed()
+    deepspeed.init_distributed(**({"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}))
     # DeepSpeed's own process groups wait up to torch's default timeout (10-30 min) on a dead peer; the watchdog
     # ends this rank within MOE_PEER_TIMEOUT s (default 30) instead (docs/multinode.md).
     if watchdog:
@@ -65,7 +68,10 @@ def dump_stacks_on_sigusr1() -> None:
     something else already handles SIGUSR1."""
     if (hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread()
             and signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None)):
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        try:  # to the process's own stderr (file descriptor 2) even where sys.stderr is replaced (a test's capture)
+            faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+        except (AttributeError, ValueError, OSError):  # no usable stderr (io.UnsupportedOperation is an OSError)
+            pass
 
 
 # torch 2.13 deprecates the two collectives DeepSpeed 0.19.8's ZeRO runs on (deepspeed/comm/torch.py picks them by

@@ -311,15 +311,22 @@ def start_ranks(world: World, problem: ConfigError | None) -> str | None:
     return fail_together(world, problem) if world.size > 1 else str(problem)
 
 
+FAIL_TOGETHER_S = 120  # how long a refusing rank waits for the others (a node that never started: its own line then)
+
+
 def fail_together(world: World, problem: ConfigError) -> str:
-    """This rank's preflight failed: join the other ranks only to tell them (and to hear theirs)."""
+    """This rank's preflight failed: join the other ranks only to tell them (and to hear theirs); when they do not come
+    within FAIL_TOGETHER_S, its own problem."""
     try:
         peer_timeout()
         watchdog = True
     except PeerTimeoutError:  # already in `problem`; the other ranks' watchdogs give up on this one within their timeout
         watchdog = False
-    init_distributed(watchdog=watchdog)
-    return gather_problems(world, problem)
+    try:
+        init_distributed(watchdog=watchdog, timeout_s=FAIL_TOGETHER_S)
+        return gather_problems(world, problem)
+    except (RuntimeError, TimeoutError):  # torch's DistNetworkError / DistStoreError are RuntimeErrors
+        return str(problem)
 
 
 def gather_problems(world: World, problem: ConfigError | None) -> str | None:

@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -404,3 +405,31 @@ def test_one_big_model_configs_train_the_default_on_two_cpu_ranks(big_model_conf
     rows = read_metrics(big_model_config_runs[name])
     assert [r["step"] for r in rows] == [10, 20] and rows[-1]["world_size"] == 2
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.3, rows
+
+
+ALONE = """
+import sys
+import time
+import engine.pretrain as p
+p.FAIL_TOGETHER_S = 3
+sys.exit(p.main(sys.argv[1:]))
+"""
+
+
+def test_a_refusing_rank_whose_peers_never_come_says_its_own_line(tmp_path):
+    """Rank 0 of 2 refuses its input and joins the rendezvous to tell rank 1 (engine.pretrain.fail_together), but rank 1
+    never starts (its node is down): after FAIL_TOGETHER_S it says its own line and exits 2, not after torch's 10 min.
+    The case where the peers do come: tests/test_multinode.py, --resume before the sync."""
+    from conftest import free_port
+
+    e = env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    t0 = time.time()
+    p = subprocess.run([sys.executable, "-c", ALONE, "--deepspeed_config", str(ZERO3), "--max_steps", "0",
+                        "--run_dir", str(tmp_path / "run")], cwd=ROOT, env=e, capture_output=True, text=True, timeout=120)
+    took = time.time() - t0
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2 and lines[-1].startswith("error: recipe ") and "train.max_steps: must be >= 1" in lines[-1], \
+        p.stderr[-3000:]
+    assert [line for line in lines if line.startswith("error")] == [lines[-1]], p.stderr[-3000:]
+    assert took < 60, took
+    assert not (tmp_path / "run").exists()

@@ -84,3 +84,27 @@ def test_print_error_without_a_launcher_writes_at_once(capfd):
 
     print_error("error: something")
     assert capfd.readouterr().err == "error: something\n"
+
+
+STUCK = """
+import os, signal, threading, time
+from engine.parallel import dump_stacks_on_sigusr1
+
+def waiting_in_a_collective():
+    time.sleep(30)
+
+dump_stacks_on_sigusr1()
+threading.Thread(target=waiting_in_a_collective, daemon=True).start()
+time.sleep(0.2)
+os.kill(os.getpid(), signal.SIGUSR1)
+print("went on", flush=True)
+"""
+
+
+def test_sigusr1_prints_every_threads_stack_and_the_rank_goes_on(tmp_path):
+    """What init_distributed sets up on every rank (docs/multinode.md, troubleshooting: a job that makes no progress)."""
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK)
+    p = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout == "went on\n", p.stderr
+    assert "in waiting_in_a_collective" in p.stderr and "Current thread" in p.stderr, p.stderr
