@@ -64,7 +64,7 @@ def init_distributed(watchdog: bool = True, timeout_s: float | None = None) -> N
 
 def dump_stacks_on_sigusr1() -> None:
     """`kill -USR1 <rank pid>` prints every thread's Python stack to the rank's stderr (the launcher's log) and the rank
-    goes on: where a job that makes no progress waits (docs/multinode.md, 'A job that hangs'). Left alone when
+    goes on: where a job that makes no progress waits (docs/multinode.md, Troubleshooting). Left alone when
     something else already handles SIGUSR1."""
     if (hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread()
             and signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None)):
