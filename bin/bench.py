@@ -41,6 +41,7 @@ from engine.auto_batch import AutoBatch, device_memory_gib  # noqa: E402
 from engine.config import ConfigError, load_recipe  # noqa: E402
 from engine.ds_config import read_ds_config, resolve_ds_config  # noqa: E402
 from engine.data import load_tokenizer, to_device  # noqa: E402
+from engine.metrics import DeviceClock  # noqa: E402
 from engine.parallel import device_kind, init_distributed, world_from_env  # noqa: E402
 from engine import pipeline, pretrain  # noqa: E402
 from engine.flops import H100_SXM_BF16_TFLOPS as PEAK_TFLOPS, model_flops_per_token  # noqa: E402
@@ -179,23 +180,16 @@ class PhaseTimer:
     run as they are called."""
 
     def __init__(self, acc):
-        # The accelerator's Event(**kw) is torch.cuda.Event(**kw): it returns an event, not the class.
-        self.new = (lambda: acc.Event(enable_timing=True)) if acc.device_name() == "cuda" else None
+        self.clock = DeviceClock(acc)
+        self.mark = self.clock.mark
         self.marks = []  # (start, after forward, after backward, after step) per micro-batch
-
-    def mark(self):
-        if self.new is None:
-            return time.perf_counter()
-        e = self.new()
-        e.record()
-        return e
 
     def add(self, *marks) -> None:
         self.marks.append(marks)
 
     def totals(self) -> dict:
         """Seconds in each phase, summed over the marked micro-batches (call after synchronizing)."""
-        gap = (lambda a, b: b - a) if self.new is None else (lambda a, b: a.elapsed_time(b) / 1000)
+        gap = self.clock.seconds
         out = {"fwd": 0.0, "bwd": 0.0, "step": 0.0}
         for t0, t1, t2, t3 in self.marks:
             out["fwd"] += gap(t0, t1)

@@ -25,12 +25,11 @@ from .data import load_tokenizer
 from .auto_batch import SEQUENCES_PER_STEP, GRPOAutoBatch, host_memory_problem
 from .ds_config import BATCH_KEYS, read_ds_config, resolve_ds_config, zero_stage
 from .grpo_math import GRPOLossConfig, group_advantages, keep_mask, kl_k3, policy_loss
-from .metrics import Metrics, print0
+from .metrics import DeviceClock, Metrics, print0
 from .model import build_model, make_hf_config
 from .pretrain import (check_ranks_agree, forget_zero3_for_transformers, peak_memory_gib, report_error,
                        start_ranks)
 from .parallel import World, build_engine, device_kind, model_dtype, world_from_env
-from .proc import print_error
 from .rewards import build_rewards
 from .routing import Router, agreement, has_moe
 from .rollout import build_rollout, local_copy
@@ -714,30 +713,19 @@ class Timer:
     it is called)."""
 
     def __init__(self):
-        from deepspeed.accelerator import get_accelerator
-
-        acc = get_accelerator()
-        self.new = (lambda: acc.Event(enable_timing=True)) if acc.device_name() == "cuda" else None
-        self.names, self.marks = [], [self._mark()]
-
-    def _mark(self):
-        if self.new is None:
-            return time.perf_counter()
-        e = self.new()
-        e.record()
-        return e
+        self.clock = DeviceClock()
+        self.names, self.marks = [], [self.clock.mark()]
 
     def lap(self, name: str) -> None:
         self.names.append(name)
-        self.marks.append(self._mark())
+        self.marks.append(self.clock.mark())
 
     def phases(self) -> dict:
         """Seconds per phase (one wait on CUDA: for the last lap's event)."""
-        if self.new is not None:
-            self.marks[-1].synchronize()
+        self.clock.wait(self.marks[-1])
         out = {}
         for name, a, b in zip(self.names, self.marks, self.marks[1:]):
-            out[name] = out.get(name, 0.0) + (a.elapsed_time(b) / 1000 if self.new is not None else b - a)
+            out[name] = out.get(name, 0.0) + self.clock.seconds(a, b)
         return out
 
 
@@ -957,10 +945,7 @@ def main(argv=None) -> int:
         recipe, ds, tok, prompts, evals, rewards, init = preflight(args, world)
     except ConfigError as e:
         problem = e
-    found = start_ranks(world, problem)
-    if found:
-        if world.rank == 0:
-            print_error(f"error: {found}")
+    if not start_ranks(world, problem):
         return 2
     try:
         check_ranks_agree(ds)  # "auto" follows each rank's device

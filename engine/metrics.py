@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 
@@ -53,3 +54,33 @@ class Metrics:
         if self.enabled:
             self.bar.close()
             self.file.close()
+
+
+class DeviceClock:
+    """Time marks that never make the host wait: on a CUDA accelerator an event recorded on the stream (read later,
+    once the last mark has happened), elsewhere the wall clock (a CPU runs each op as it is called). Shared by GRPO's
+    phase times (engine/grpo.py: Timer) and bin/bench.py's forward/backward/step times."""
+
+    def __init__(self, acc=None):
+        if acc is None:
+            from deepspeed.accelerator import get_accelerator
+
+            acc = get_accelerator()
+        self.cuda = acc.device_name() == "cuda"
+        self._acc = acc
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        e = self._acc.Event(enable_timing=True)  # torch.cuda.Event(**kw): an event, not the class
+        e.record()
+        return e
+
+    def wait(self, mark) -> None:
+        """Until `mark` has happened on the device (nothing to wait for on the wall clock)."""
+        if self.cuda:
+            mark.synchronize()
+
+    def seconds(self, a, b) -> float:
+        """Seconds from mark `a` to mark `b` (on CUDA, once `b` has happened)."""
+        return a.elapsed_time(b) / 1000 if self.cuda else b - a

@@ -298,8 +298,9 @@ def zero_step(engine, batches, accum: int, position: int) -> tuple[int, torch.Te
     return position, loss_sum
 
 
-def start_ranks(world: World, problem: ConfigError | None) -> str | None:
-    """init_distributed, then what every rank's preflight found wrong, as one line (None when nothing).
+def start_ranks(world: World, problem: ConfigError | None) -> bool:
+    """init_distributed, then whether every rank's preflight passed; when one did not, rank 0 has printed what every
+    rank found wrong as one `error:` line and the caller exits 2.
 
     A rank whose preflight failed joins too (fail_together) when the world has other ranks: its problem can be its own
     (node-local disks: a node without the checkpoint or the corpus), and each node's launcher watches only that node's
@@ -307,8 +308,12 @@ def start_ranks(world: World, problem: ConfigError | None) -> str | None:
     (10 min). A world of one with a problem stops before any of it."""
     if problem is None:
         init_distributed()
-        return gather_problems(world, None)
-    return fail_together(world, problem) if world.size > 1 else str(problem)
+        found = gather_problems(world, None)
+    else:
+        found = fail_together(world, problem) if world.size > 1 else str(problem)
+    if found and world.rank == 0:
+        print_error(f"error: {found}")
+    return not found
 
 
 FAIL_TOGETHER_S = 120  # how long a refusing rank waits for the others (a node that never started: its own line then)
@@ -385,10 +390,7 @@ def main(argv=None) -> int:
         recipe, ds, tok = preflight(args, world)
     except ConfigError as e:
         problem = e
-    found = start_ranks(world, problem)
-    if found:
-        if world.rank == 0:
-            print_error(f"error: {found}")
+    if not start_ranks(world, problem):
         return 2
     try:
         apply_memory_fraction(args.memory_fraction)

@@ -234,9 +234,10 @@ def test_phase_timer_sums_each_phase_from_consecutive_laps(monkeypatch):
     """engine.grpo.Timer on the CPU (wall clock): a phase's time runs from the previous lap to its own, repeated
     phases add up, and phases() reads them without changing them (on CUDA the same arithmetic over events)."""
     import engine.grpo as grpo
+    import engine.metrics as metrics
 
     clock = iter([10.0, 11.0, 13.0, 16.0])
-    monkeypatch.setattr(grpo.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))  # engine.metrics.DeviceClock
     t = grpo.Timer()
     t.lap("ref_s")
     t.lap("policy_s")
