@@ -295,7 +295,7 @@ def host_memory_problem(cfg: dict, recipe: Recipe, dp: int, ranks_per_node: int)
     return (f"zero_optimization offload: the {ranks_per_node} rank{'s' if ranks_per_node > 1 else ''} of this node "
             f"would keep {need:.1f} GiB in host memory ({per_rank:.1f} GiB each: fp32 master weights, gradients and "
             f"Adam moments of its share of {param_counts(recipe.model)[0] / 1e9:.2f}B parameters) but "
-            f"{have:.1f} GiB are available; lower offload_optimizer.ratio, use more nodes, or zero3_bf16_states.json")
+            f"{have:.1f} GiB are available; lower offload_optimizer.ratio, use more nodes, or zero2_bf16_states.json")
 
 
 def device_memory_gib(device: str, fraction: float | None = None) -> float | None:
@@ -395,7 +395,7 @@ class AutoBatch:
                        f"{peaks[smallest]:.1f} GiB at micro-batch {smallest} (weights, gradients and optimizer state "
                        f"alone {states:.1f} GiB per rank on {dp} data-parallel rank{'s' if dp > 1 else ''}"
                        f"{self.beside()}) against {where}; use more GPUs (ZeRO-3 splits the states), "
-                       f"ds_configs/zero3_offload.json or zero3_bf16_states.json, or write a number to try anyway")
+                       f"ds_configs/zero2_bf16_states.json (bf16 master weights and Adam moments on the GPU: the fastest on one GPU) or zero3_offload.json (fp32 Adam, half of it in CPU memory), or write a number to try anyway")
 
     def beside(self) -> str:
         return ""

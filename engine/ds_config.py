@@ -123,7 +123,11 @@ def resolve_optimizer(cfg: dict, recipe: Recipe, device: str = "cpu") -> list[st
         p.append("zero_optimization.zenflow: not supported: DeepSpeed 0.19.8's ZenFlow hands this engine's model back "
                  "from deepspeed.initialize with its matrices' values reordered (the first loss already differs, the "
                  "second is NaN); remove it and offload with ds_configs/zero3_offload.json (offload_optimizer.ratio) "
-                 "or keep the states on the GPU with zero3_bf16_states.json")
+                 "or keep the states on the GPU with zero2_bf16_states.json")
+    ratio = ((cfg.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("ratio", 1.0)
+    if isinstance(ratio, (int, float)) and ratio < 1.0 and zero_stage(cfg) != 3:
+        p.append(f"zero_optimization.offload_optimizer.ratio ({ratio}): DeepSpeed offloads part of the optimizer under "
+                 "ZeRO-3 only (ZeRO-1/2 offload all of it); remove ratio, or use ds_configs/zero3_offload.json")
     if "optimizer" not in cfg:
         p.append('optimizer: missing; add e.g. {"type": "AdamW", "params": {"lr": "auto", "weight_decay": 0.1}}')
     else:

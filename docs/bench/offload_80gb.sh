@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # The seed scale on an 80 GB GPU (an H200 capped with --memory_fraction 0.5596): deepseek_5b3 (vocabulary 129,280)
 # through bin/bench.py with each way DeepSpeed 0.19.8 offers to keep the fp32 Adam states off the GPU, one row each:
-#   bf16_states   zero3_bf16_states.json (bf16 master weights and moments on the GPU: what the refusal names today)
+#   bf16_states   zero3_bf16_states.json (bf16 master weights and moments on the GPU under ZeRO-3)
 #   ratio05       zero3_offload.json as shipped (half the optimizer on the CPU)
 #   ratio03/07    the same with offload_optimizer.ratio 0.3 / 0.7
 #   superoffload  ZeRO-3 with offload_optimizer.super_offload (DeepSpeed's SuperOffload)
+#   z2_bf16_states  zero2.json (compiled AutoEP) with bf16 master weights, gradients and Adam moments on the GPU
+#                 (= ds_configs/zero2_bf16_states.json: what the 80 GB refusal names first)
+#   z2_offload    zero2.json with the whole fp32 optimizer on the CPU (ZeRO-2 ignores offload_optimizer.ratio)
+#   z2_offload_nockpt  the same without activation checkpointing (the GPU holds only bf16 weights and gradients)
 #   zenflow       (refused by the engine's config check since 2026-12-03, kept to show the refusal: DeepSpeed 0.19.8's
 #                 ZenFlow returns the model with its matrices' values reordered, NaN at step 2 on CPU ranks, and failed
 #                 on a GPU in step 1 with AutoEP's experts) ZeRO-2, optimizer on the CPU, zero_optimization.zenflow (the top 5% of gradient columns updated on the
@@ -30,6 +34,12 @@ gradient_accumulation_steps=auto"
       "zero_optimization.offload_optimizer.ratio=0.${1#ratio0}" ;;
     superoffload) printf '%s\n' --deepspeed_config ds_configs/zero3.json --ds_set \
       "zero_optimization.offload_optimizer={device: cpu, pin_memory: true, super_offload: true}" ;;
+    z2_bf16_states) printf '%s\n' --deepspeed_config ds_configs/zero2.json --ds_set \
+      "bf16={enabled: true, bf16_master_weights_and_grads: true, bf16_optimizer_states: true}" ;;
+    z2_offload) printf '%s\n' --deepspeed_config ds_configs/zero2.json --ds_set \
+      "zero_optimization.offload_optimizer={device: cpu, pin_memory: true}" ;;
+    z2_offload_nockpt) printf '%s\n' --deepspeed_config ds_configs/zero2.json --ds_set \
+      "zero_optimization.offload_optimizer={device: cpu, pin_memory: true}" --set train.activation_checkpointing=false ;;
     zenflow) printf '%s\n' --deepspeed_config ds_configs/zero2.json --ds_set \
       "zero_optimization.offload_optimizer={device: cpu, pin_memory: true}" --ds_set \
       "zero_optimization.zenflow={topk_ratio: 0.05, select_strategy: auto, select_interval: auto, update_interval: 4, overlap_step: true}" ;;

@@ -7,8 +7,11 @@
 # /proc/meminfo's MemAvailable from before the launch to its lowest during the run (sampled every second).
 #   bash docs/bench/seed_config.sh     (on the GPU machine, from the checkout, .whl/ carried; ~3 min a row at 30k
 #                                       tokens/s, far more on a slow config: size STEPS and T_RUN to it)
-# LOSS=N: instead, N steps (50) of bf16 with CONFIG capped against ds_configs/zero3.json uncapped (fp32 Adam states
-# on the GPU), the same init (both ZeRO-3) and data: the losses side by side, and their largest gap.
+# LOSS=N: instead, N steps (50) of bf16 with CONFIG capped against UNCAPPED (ds_configs/zero3.json: fp32 Adam states
+# on the GPU) uncapped, the same data (and the same init when both have the same ZeRO stage: zero.Init draws it
+# differently): the losses side by side, and their largest gap. TOKENS_PER_STEP sets train.tokens_per_step_per_gpu
+# (the "auto" accumulation's target) for every run; UNCAPPED_SET edits UNCAPPED as DS_SET does CONFIG (write the capped
+# run's micro-batch and accumulation there, so both train on the same batches); LOSS_RUNS ("capped uncapped") which.
 # MFU: the metrics rows' own (engine/flops.py: model FLOPs over the GPU's dense bf16 peak; FP8 rows against the same
 # bf16 peak, so FP8 shows as a higher MFU, not a different denominator).
 # Files: $OUT/seed_<mode>.jsonl (metrics rows; LOSS: seed_capped.jsonl, seed_uncapped.jsonl), $OUT/seed.md, $OUT/logs.tgz.
@@ -17,7 +20,8 @@ OUT=${OUT:-/tmp/seed}; W=/tmp/seedw; mkdir -p "$OUT" $W/logs
 . docs/bench/gpu_env.sh deepspeed
 RECIPE=${RECIPE:-engine/recipes/deepseek_5b3.yaml}; CONFIG=${CONFIG:-ds_configs/zero3_offload.json}
 FRACTION=${MEMORY_FRACTION:-0.5596}
-python3 - "$CONFIG" "$W/ds.json" ${DS_SET:-} <<'PY' || exit 1
+edit() {  # edit CONFIG OUTPUT KEY=VALUE...: the DS config with python-literal values at dotted keys
+  python3 - "$@" <<'PY'
 import ast, json, sys
 cfg = json.load(open(sys.argv[1]))
 for item in sys.argv[3:]:
@@ -33,10 +37,13 @@ for item in sys.argv[3:]:
 json.dump(cfg, open(sys.argv[2], "w"), indent=1)
 print(f"DS config: {sys.argv[1]} with {sys.argv[3:] or 'no edits'}")
 PY
+}
+edit "$CONFIG" $W/ds.json ${DS_SET:-} || exit 1
 recipe() {  # recipe MODE PATH: the recipe with train.fp8 MODE, metrics every step, no checkpoint at the end
   python3 -c "import sys, yaml; r = yaml.safe_load(open(sys.argv[1])); t = r.setdefault('train', {})
 t['fp8'] = sys.argv[2] != 'false' and sys.argv[2]; t['log_every'] = 1; r['checkpoint'] = {'at_end': False}
-yaml.safe_dump(r, open(sys.argv[3], 'w'))" "$RECIPE" "$1" "$2"
+t.update({'tokens_per_step_per_gpu': int(sys.argv[4])} if sys.argv[4] else {})
+yaml.safe_dump(r, open(sys.argv[3], 'w'))" "$RECIPE" "$1" "$2" "${TOKENS_PER_STEP:-}"
 }
 avail() { awk '/^MemAvailable:/ {print $2}' /proc/meminfo; }
 port=29700
@@ -61,8 +68,9 @@ open(sys.argv[4], 'w').write(''.join(json.dumps(r) + '\n' for r in rows))" \
 }
 rm -f $W/notes.txt
 if [ -n "${LOSS:-}" ]; then
-  run capped false $W/ds.json "$LOSS" --memory_fraction "$FRACTION"
-  run uncapped false ds_configs/zero3.json "$LOSS"
+  edit "${UNCAPPED:-ds_configs/zero3.json}" $W/uncapped.json ${UNCAPPED_SET:-} || exit 1
+  case " ${LOSS_RUNS:-capped uncapped} " in *" capped "*) run capped false $W/ds.json "$LOSS" --memory_fraction "$FRACTION" ;; esac
+  case " ${LOSS_RUNS:-capped uncapped} " in *" uncapped "*) run uncapped false $W/uncapped.json "$LOSS" ;; esac
   NAMES="capped uncapped"
 else
   for mode in ${MODES:-false dense all}; do
