@@ -39,6 +39,9 @@ def main(argv=None) -> int:
     ap.add_argument("--record_routes", action="store_true",
                     help="the decoder records every token's expert ids (what GRPO's local rollouts do, for "
                     "grpo.routing_replay and the routing agreement metric); compare the ms per step without it")
+    ap.add_argument("--min_new_tokens", action="store_true",
+                    help="force the length as GRPO's grpo.min_new_tokens does (the real EOS id, masked until the last "
+                    "token) instead of an EOS id that never occurs")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
 
@@ -70,8 +73,10 @@ def main(argv=None) -> int:
 
     def call(label: str) -> torch.Tensor:
         t = time.perf_counter()
-        out = dec.generate(req.prompt_ids, req.prompt_attention_mask, args.new_tokens, eos_id=-1,
-                           pad_id=tok.pad_token_id, temperature=args.temperature, top_p=args.top_p)
+        out = dec.generate(req.prompt_ids, req.prompt_attention_mask, args.new_tokens,
+                           eos_id=tok.eos_token_id if args.min_new_tokens else -1, pad_id=tok.pad_token_id,
+                           temperature=args.temperature, top_p=args.top_p,
+                           min_new_tokens=args.new_tokens if args.min_new_tokens else 0)
         wall = time.perf_counter() - t
         row = {"call": label, "wall_s": round(wall, 3), "decode_steps": dec.decode_steps,
                "decode_ms_per_step": round(1000 * dec.decode_s / max(dec.decode_steps, 1), 3),

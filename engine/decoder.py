@@ -427,6 +427,9 @@ class Decoder:
         logps = torch.zeros((N, max_new_tokens), dtype=torch.float32, device=self.device) if temperature > 0 else None
         from .grpo_math import token_logprobs
         ended = torch.zeros(N, dtype=torch.bool, device=self.device)
+        # made once: a tensor built from a Python list inside the loop is a host-to-device copy that waits for the
+        # stream, which stalled every decode step under min_new_tokens (3.45 against 2.81 ms per step, one H200)
+        no_eos = torch.tensor([eos_id], device=self.device) if min_new_tokens else None
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         t0, steps = time.perf_counter(), 0
@@ -435,7 +438,7 @@ class Decoder:
                 self.routes[:, width + t - 1] = self.route_step.transpose(0, 1)
             raw = logits
             if t < min_new_tokens:
-                logits = logits.index_fill(-1, torch.tensor([eos_id], device=logits.device), float("-inf"))
+                logits = logits.index_fill(-1, no_eos, float("-inf"))
             tok = sample(logits, temperature, top_p)  # (N,)
             if logps is not None:  # before EOS masking: the trainer's distribution has no min_new_tokens mask
                 logps[:, t] = token_logprobs(raw / temperature, tok)  # the whole distribution, not top-p's

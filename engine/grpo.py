@@ -367,7 +367,7 @@ def grpo_auto_batch(batch: tuple[int, str], raw: dict, recipe: Recipe, hf_config
     dtype = model_dtype(raw)
     size = torch.empty((), dtype=dtype).element_size()
     total = param_counts(m)[0]
-    extra = size * (total / world.size if zero_stage(raw) == 3 else total)  # the reference policy
+    extra = size * (total / world.size if zero_stage(raw) == 3 else total)  # the reference policy (build_reference)
     if g.rollout != "engine":
         extra += sum(decoder_bytes(hf_config, dtype, sequences, decoder_cache_len(rows, cache_tokens(g))))
     auto = GRPOAutoBatch(memory_gib=device_memory_gib(device_kind()),
@@ -398,11 +398,14 @@ def forward_logps(engine, ids, attn, temperature: float, with_entropy: bool = Fa
     return out.logprobs, out.entropy  # (N, T-1) each
 
 
-def build_reference(policy, recipe: Recipe, ds: dict, tok):
-    """The frozen reference policy. ZeRO-3: an optimizer-free DeepSpeed engine holding a copy of the policy's
-    local shards (no full gather). ZeRO 0-2 hold every dense weight on every rank anyway (and DeepSpeed builds no
-    optimizer-free engine for them with AutoEP): a plain Hugging Face copy on this rank's device."""
-    if zero_stage(ds) < 3:
+def build_reference(policy, recipe: Recipe, ds: dict, tok, world_size: int):
+    """The frozen reference policy. ZeRO-3 on several ranks: an optimizer-free DeepSpeed engine holding a copy of the
+    policy's local shards (no full gather). ZeRO 0-2 hold every dense weight on every rank anyway (and DeepSpeed
+    builds no optimizer-free engine for them with AutoEP), and so does ZeRO-3 on one rank with its parameters on the
+    device (its "shards" are whole tensors): a plain Hugging Face copy on this rank's device, the same bytes without
+    ZeRO-3's per-module hooks, which made the reference forward on one H200 3x as long as ZeRO-2's
+    (docs/benchmarks.md, GRPO sections)."""
+    if zero_stage(ds) < 3 or (world_size == 1 and not params_offloaded(ds)):
         return local_copy(policy.module, policy.device, decode_experts="grouped_mm")
     ref_ds = {k: v for k, v in ds.items() if k != "optimizer"}
     model = build_model(recipe.model, ref_ds, tok, dtype=model_dtype(ds), hf_config=policy.module.config)
@@ -421,6 +424,10 @@ def build_reference(policy, recipe: Recipe, ds: dict, tok):
             b.copy_(pol_b[name])
     ref.eval()
     return ref
+
+
+def params_offloaded(ds: dict) -> bool:
+    return ((ds.get("zero_optimization") or {}).get("offload_param") or {}).get("device", "none") not in (None, "none")
 
 
 def _build_device(ds: dict):
@@ -795,7 +802,7 @@ def setup(recipe: Recipe, ds: dict, tok, rewards, prompts, evals, world: World) 
     schedule = replace(t, max_steps=t.max_steps * g.iterations, warmup_steps=t.warmup_steps * g.iterations,
                        decay_steps=t.decay_steps and t.decay_steps * g.iterations)
     policy = build_engine(model, ds, schedule)
-    ref = build_reference(policy, recipe, ds, tok) if g.beta > 0 else None
+    ref = build_reference(policy, recipe, ds, tok, world.size) if g.beta > 0 else None
     micro = policy.train_micro_batch_size_per_gpu()
     n_seq = micro * policy.gradient_accumulation_steps()
     cache_len = decoder_cache_len(prompts + evals, cache_tokens(g))

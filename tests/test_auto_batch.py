@@ -410,6 +410,12 @@ def test_grpo_auto_divides_the_rollout_batch():
     gpu = GRPOAutoBatch(memory_gib=139.8, sequences=48, seq_len=64, what="test")  # 32 does not divide 48
     c = dict(cfg)
     assert gpu.resolve(c, tiny, 1, "cuda") == [] and (c["train_micro_batch_size_per_gpu"], c["gradient_accumulation_steps"]) == (16, 3)
+    # Short rows: beyond pretraining's 32 rows, up to its tokens (32 x 2048): all 64 rows of 64 tokens in one micro-batch;
+    # rows of 4096 tokens stop at 16.
+    short = GRPOAutoBatch(memory_gib=139.8, sequences=64, seq_len=64, what="test")
+    c = dict(cfg)
+    assert short.resolve(c, tiny, 1, "cuda") == [] and (c["train_micro_batch_size_per_gpu"], c["gradient_accumulation_steps"]) == (64, 1)
+    assert GRPOAutoBatch(sequences=64, seq_len=4096).candidates() == (16, 8, 4, 2, 1)
     full = GRPOAutoBatch(memory_gib=139.8, sequences=64, seq_len=64, extra_gib=200.0, what="test")
     problems = full.resolve(dict(cfg), tiny, 1, "cuda")
     assert len(problems) == 1 and "nothing fits this device" in problems[0]

@@ -107,6 +107,7 @@ def test_reference_equals_policy_before_the_first_update(runs, kind):
         assert info["ep_size"] == [2, 2]  # both MoE layers expert-parallel over the 2 ranks
         # build_reference copies the local ZeRO-3 shards one to one: identical shards, identical logits, on
         # every rank, in fp32 and in bf16 (0.0, not a tolerance: the same numbers through the same code).
+        assert info["ref_kind"] == "DeepSpeedEngine"  # ZeRO-3 on 2 ranks: the shards, not a whole copy
         assert info["shards_before"] == 0.0, info
         assert info["ref_vs_policy_before"] == 0.0, info
         assert info["ref_training"] is False
@@ -286,6 +287,11 @@ def test_packed_train_passes_train_the_same_policy_on_two_ranks(pack_runs):
 
 def test_two_iterations_run_the_old_logprob_forward_on_one_rank(pretrained):
     (info,) = probe(pretrained, "iter2", 1, "local", True, iterations=2)
+    # ZeRO-3 on one rank: the reference is a plain copy on the device (no ZeRO-3 hooks), with the policy's logits
+    # (fp32: kernels only, as check_local_copy) before the first update; it stays put while the policy moves.
+    assert info["ref_kind"] == "DeepseekV3ForCausalLM" and info["ref_training"] is False
+    assert info["ref_vs_policy_before"] < 1e-4, info["ref_vs_policy_before"]
+    assert info["ref_after_vs_before"] == 0.0 and info["policy_after_vs_before"] > 1e-2
     assert info["old_logps"] == [True, True]
     assert info["decoder_builds"] == 1
     check_same_samples(info)  # one rank, expert parallel 1

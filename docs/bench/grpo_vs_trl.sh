@@ -135,9 +135,11 @@ fi
 [ -f "$OUT/trl.jsonl" ] && RUNS="$RUNS trl|trl|-|$OUT/trl.jsonl"
 
 # Summary: one row per run in $OUT/grpo_vs_trl.jsonl, and the table
-RUNS="$RUNS" COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown) STEPS=$STEPS \
+RUNS="$RUNS" COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown) STEPS=$STEPS RECIPE=$RECIPE \
 python3 - "$OUT" <<'EOF' 2>&1 | tee "$OUT/summary.txt"
 import json, os, statistics, sys
+
+import yaml
 
 out = sys.argv[1]
 steps_wanted = int(os.environ["STEPS"])
@@ -174,6 +176,21 @@ def trl_row(path):
     return row
 
 
+# Pretraining's tokens/s on the same DS config (zeroN_grpo.json is zeroN.json with a written batch) and vocabulary, one
+# H200: the committed rows of docs/bench/vocab_pretrain.sh (bin/pretrain.py, deepseek_2b6.yaml, seq 2048; the same
+# architecture as grpo_2b6.yaml). Not measured in this call.
+ARCH = lambda path: {k: v for k, v in yaml.safe_load(open(path))["model"].items()  # noqa: E731
+                     if k not in ("vocab_size", "max_position_embeddings")}
+VOCAB = yaml.safe_load(open(os.environ["RECIPE"]))["model"].get("vocab_size")
+PRETRAIN = {(r["ds_config"], r["vocab"]): r["tokens_per_s_per_gpu"]
+            for r in map(json.loads, open("docs/bench/vocab/pretrain.jsonl"))
+            if ARCH(os.environ["RECIPE"]) == ARCH("engine/recipes/deepseek_2b6.yaml")}  # that architecture only
+
+
+def pretrain_tps(cfg):
+    return PRETRAIN.get((os.path.basename(cfg).replace("_grpo", ""), VOCAB))
+
+
 rows = []
 for spec in os.environ.get("RUNS", "").split():
     label, system, cfg, path = spec.split("|")
@@ -187,20 +204,24 @@ for r in rows:
     r["commit"] = os.environ.get("COMMIT")
     if r["system"] == "engine" and trl and r.get("median_step_s"):
         r["trl_over_engine"] = trl["median_step_s"] / r["median_step_s"]
+    if r["system"] == "engine" and r.get("train_tokens_per_s") and pretrain_tps(r["ds_config"]):
+        r["pretrain_tokens_per_s"] = pretrain_tps(r["ds_config"])
+        r["train_over_pretrain"] = r["train_tokens_per_s"] / r["pretrain_tokens_per_s"]
 with open(os.path.join(out, "grpo_vs_trl.jsonl"), "w") as f:
     for r in rows:
         f.write(json.dumps(r) + "\n")
 
 fmt = lambda v, p=2: "-" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))  # noqa: E731
 head = ["run", "DS config", "steps", "median step s (2..N)", "rollout s", "rollout tok/s", "decode ms/step",
-        "train tok/s", "train padding %", "peak GiB", "TRL / this"]
+        "train tok/s", "pretraining tok/s", "train / pretraining", "train padding %", "peak GiB", "TRL / this"]
 print("| " + " | ".join(head) + " |")
 print("|" + "---|" * len(head))
 for r in rows:
     print("| " + " | ".join([r["label"], str(r["ds_config"]), f"{r['steps']}{'' if r['complete'] else ' (cut)'}",
                             fmt(r.get("median_step_s")), fmt(r.get("median_rollout_s")),
                             fmt(r.get("rollout_tokens_per_s"), 0), fmt(r.get("decode_ms_per_step")),
-                            fmt(r.get("train_tokens_per_s"), 0),
+                            fmt(r.get("train_tokens_per_s"), 0), fmt(r.get("pretrain_tokens_per_s"), 0),
+                            "-" if r.get("train_over_pretrain") is None else f"{100 * r['train_over_pretrain']:.0f}%",
                             fmt(None if r.get("train_padding_frac") is None else 100 * r["train_padding_frac"], 1),
                             fmt(r.get("peak_mem_gib"), 1), fmt(r.get("trl_over_engine")) if r["system"] == "engine"
                             else "1.00"]) + " |")
@@ -211,6 +232,9 @@ for r in rows:
     if r["system"] == "engine" and r.get("trl_over_engine"):
         print(f"TRL / engine ({r['ds_config']}): {trl['median_step_s']:.2f} s / {r['median_step_s']:.2f} s = "
               f"{r['trl_over_engine']:.2f} ({'engine faster' if r['trl_over_engine'] > 1 else 'TRL faster'})")
+print(f"pretraining tok/s: bin/pretrain.py on deepseek_2b6.yaml at vocabulary {VOCAB}, the same DS config without "
+      "_grpo, one H200 (docs/bench/vocab/pretrain.jsonl, an earlier call); train tok/s as the metrics row defines it: "
+      "real tokens x forward passes / train_s")
 if trl:
     print(f"TRL completion lengths per step: {trl.get('completion_len')} (forced: "
           f"{(trl.get('trl_settings') or {}).get('generation_kwargs')})")

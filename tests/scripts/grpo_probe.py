@@ -3,7 +3,8 @@
 its functions to record what the tests check, per rank, in OUT/rank{r}.json:
   - logits of the policy engine, the reference engine and a local rollout copy (engine.rollout.local_copy) on one
     fixed input, right after the reference is built (before the first update) and again after training
-  - the largest difference between the reference's and the policy's local ZeRO-3 shards, before and after
+  - the largest difference between the reference's and the policy's local ZeRO-3 shards, before and after (a
+    reference engine: several ranks), and the reference's class
   - every rollout: greedy or sampled, how many decode steps it ran, each completion's length, and the
     torch.distributed collectives called during it
   - the metric rows train() returned
@@ -164,9 +165,11 @@ def main() -> None:
         r = grpo.left_pad(TEXTS, tok, policy.device)
         seen["policy_before"], seen["ref_before"] = logits(policy, r), logits(ref, r)
         info["ref_vs_policy_before"] = diff(seen["ref_before"], seen["policy_before"])
-        info["shards_before"] = shard_diff(policy, ref)
+        engine_ref = hasattr(ref, "module")  # ZeRO-3 on several ranks; else a plain copy (grpo.build_reference)
+        info["ref_kind"] = type(ref).__name__
+        info["shards_before"] = shard_diff(policy, ref) if engine_ref else None
         info["before"] = local_copy_check(policy, r)
-        info["ref_training"] = ref.module.training
+        info["ref_training"] = (ref.module if engine_ref else ref).training
         return ref
 
     def build_rollout_recorded(kind, engine, tokenizer, *a, **k):
@@ -241,7 +244,7 @@ def main() -> None:
                 ref_after_vs_before=diff(ref_after, seen["ref_before"]),
                 policy_after_vs_before=diff(pol_after, seen["policy_before"]), policy_after=pol_after.tolist(),
                 ref_vs_policy_after=diff(ref_after, pol_after),
-                shards_after=shard_diff(policy, ref),
+                shards_after=shard_diff(policy, ref) if hasattr(ref, "module") else None,
                 after=local_copy_check(policy, r))
     (out / f"rank{world.rank}.json").write_text(json.dumps(info))
     torch.distributed.barrier()
