@@ -111,7 +111,7 @@ def main(argv=None) -> int:
         with profile(activities=acts) as prof:
             call("profiled")
         key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-        print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70))
+        print(prof.key_averages().table(sort_by=key, row_limit=60, max_name_column_width=100))
     if args.tree:
         rows.append(tree_check(model, device, args, recipe, req, tok))
     if args.out:

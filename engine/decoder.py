@@ -373,6 +373,9 @@ class Decoder:
         self.compile = self.device.type == "cuda" if compile is None else compile
         self.step_fn = (torch.compile(self._forward, mode="reduce-overhead", fullgraph=True, dynamic=False)
                         if self.compile else self._forward)
+        # generate's per-step sampling and log-prob over the whole vocabulary as one compiled function: eager, a
+        # dozen kernels each read and write (rows x vocabulary) fp32 values (33 MB at 64 x 129,280)
+        self.draw_fn = torch.compile(draw, fullgraph=True, dynamic=False) if self.compile else draw
         self.decode_steps = 0
         self.decode_s = 0.0
         self.last_logps = None  # generate's sampled tokens' log-probs under softmax(logits / T), (n, T_r)
@@ -425,10 +428,10 @@ class Decoder:
         out = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=self.device)
         # log p(token) under softmax(logits / T), the distribution the trainer scores (sampled rollouts only)
         logps = torch.zeros((N, max_new_tokens), dtype=torch.float32, device=self.device) if temperature > 0 else None
-        from .grpo_math import token_logprobs
         ended = torch.zeros(N, dtype=torch.bool, device=self.device)
         # made once: a tensor built from a Python list inside the loop is a host-to-device copy that waits for the
-        # stream, which stalled every decode step under min_new_tokens (3.45 against 2.81 ms per step, one H200)
+        # stream, which stalled every decode step under min_new_tokens (one H200, grpo_2b6 at 64 x 256: 3.5-3.8 ms per step
+        # forced against 3.1 free in GRPO's rows; 3.23 and 3.20 in bin/decode_bench.py once made here)
         no_eos = torch.tensor([eos_id], device=self.device) if min_new_tokens else None
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -436,12 +439,9 @@ class Decoder:
         for t in range(max_new_tokens):
             if self.routes is not None and t:  # the token fed at the last step sits in slot width + t - 1
                 self.routes[:, width + t - 1] = self.route_step.transpose(0, 1)
-            raw = logits
-            if t < min_new_tokens:
-                logits = logits.index_fill(-1, no_eos, float("-inf"))
-            tok = sample(logits, temperature, top_p)  # (N,)
-            if logps is not None:  # before EOS masking: the trainer's distribution has no min_new_tokens mask
-                logps[:, t] = token_logprobs(raw / temperature, tok)  # the whole distribution, not top-p's
+            tok, logp = self.draw_fn(logits, no_eos if t < min_new_tokens else None, temperature, top_p)  # (N,) each
+            if logps is not None:
+                logps[:, t] = logp
             tok = torch.where(ended, pad_id, tok)
             out[:, t] = tok
             ended |= tok == eos_id
@@ -624,6 +624,18 @@ def recording_experts_forward(self, hidden_states: torch.Tensor, top_k_index: to
     in-place copy into a static tensor: captured in the CUDA graph like the KV cache's writes)."""
     self._route_owner._route_out[self._route_slot].copy_(top_k_index)
     return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+def draw(logits: torch.Tensor, no_eos: torch.Tensor | None, temperature: float,
+         top_p: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One decode step's choice: (N, V) float logits -> the sampled tokens (N,) (sample; with `no_eos`, a (1,) tensor
+    holding the EOS id, EOS is never drawn) and their log-probs under softmax(logits / T) over the whole vocabulary,
+    with no EOS mask and no top-p (the distribution the trainer scores); None when greedy."""
+    from .grpo_math import token_logprobs
+
+    masked = logits if no_eos is None else logits.index_fill(-1, no_eos, float("-inf"))
+    tok = sample(masked, temperature, top_p)
+    return tok, (token_logprobs(logits / temperature, tok) if temperature > 0 else None)
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
