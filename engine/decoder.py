@@ -631,16 +631,43 @@ def draw(logits: torch.Tensor, no_eos: torch.Tensor | None, temperature: float,
     """One decode step's choice: (N, V) float logits -> the sampled tokens (N,) (sample; with `no_eos`, a (1,) tensor
     holding the EOS id, EOS is never drawn) and their log-probs under softmax(logits / T) over the whole vocabulary,
     with no EOS mask and no top-p (the distribution the trainer scores); None when greedy."""
-    from .grpo_math import token_logprobs
-
     masked = logits if no_eos is None else logits.index_fill(-1, no_eos, float("-inf"))
     tok = sample(masked, temperature, top_p)
-    return tok, (token_logprobs(logits / temperature, tok) if temperature > 0 else None)
+    if temperature == 0:
+        return tok, None
+    scaled = logits / temperature
+    return tok, scaled.gather(-1, tok[:, None]).squeeze(-1) - split_logsumexp(scaled)
+
+
+def vocab_split(v: int) -> int:
+    """How many equal pieces a vocabulary-wide reduction over `v` values is cut into: the most, up to 256, that
+    leave at least 512 values each. With 64 rows, one piece per row keeps a GPU's reduction kernel on 64 thread
+    blocks, each walking 129,280 values (0.1 ms per decode step on an H200); pieces spread it over the device."""
+    return max(d for d in range(1, 257) if v % d == 0 and v // d >= 512) if v >= 512 else 1
+
+
+def split_logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """(N, V) -> (N,) logsumexp over V, reduced per vocab_split piece and then across the pieces."""
+    n, v = x.shape
+    return torch.logsumexp(x.view(n, vocab_split(v), -1), dim=-1).logsumexp(dim=-1)
+
+
+def race(logits: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+    """(N, V) logits (-inf where a token is excluded) -> (N,) tokens drawn from softmax(logits): the exponential race
+    argmax_i p_i / E_i, E_i ~ Exp(1) (`noise`, drawn here if not given), which picks i with probability p_i, taken in
+    log space as argmax_i logits_i - log E_i (the softmax's normaliser is the same for every i, so no softmax), per
+    vocab_split piece and then across the pieces."""
+    n, v = logits.shape
+    noise = torch.empty_like(logits).exponential_() if noise is None else noise
+    k = vocab_split(v)
+    best, where = (logits - noise.log()).view(n, k, -1).max(dim=-1)  # (N, k) each
+    piece = best.argmax(dim=-1, keepdim=True)  # (N, 1)
+    return (piece * (v // k) + where.gather(-1, piece)).squeeze(-1)
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """(N, V) float logits -> (N,) tokens: argmax when temperature == 0, else softmax(logits / T) restricted
-    to the top-p nucleus, drawn with the exponential race (argmax of p / Exp(1), which picks i with prob p_i)."""
+    to the top-p nucleus, drawn with the exponential race (race)."""
     if temperature == 0:
         return logits.argmax(-1)
     logits = logits / temperature
@@ -650,5 +677,4 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tens
         drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = logits.softmax(-1)
-    return (probs / torch.empty_like(probs).exponential_()).argmax(-1)
+    return race(logits)

@@ -20,7 +20,8 @@
 # the whole script ends inside BUDGET_S (550 s); TRL's time is reserved first (the engine's zero2 run is the one
 # dropped when time runs short).
 # Switches (environment): STEPS=6  SKIP_TRL=1  SKIP_ENGINE=1  SUMMARY_ONLY=1 (re-read $OUT)  BUDGET_S=550
-#   RECIPE=engine/recipes/grpo_2b6.yaml  MAX_NEW_TOKENS=<recipe's>  INIT=/tmp/gvt_init (REUSE_INIT=1 keeps it)
+#   RECIPE=engine/recipes/grpo_2b6.yaml  MAX_NEW_TOKENS=<recipe's>  GROUP_SIZE=<recipe's> (the sequences per step stay
+#   the batch's 64: GROUP_SIZE=4 MAX_NEW_TOKENS=1024 is the long-completion shape, 16 prompts x 4 x 1024)  INIT=/tmp/gvt_init (REUSE_INIT=1 keeps it)
 #   T_ENGINE=180 T_TRL=240 (per-run timeouts, s)  MASTER_PORT=29600  FREE_LENGTH=1  CONFIGS='zero3_grpo zero2_grpo'
 #   ENGINE_ARGS='--profile_step 4' (more bin/grpo.py arguments; profiles are copied to $OUT)
 # CPU smoke test (here, tiny model; the same steps):
@@ -64,15 +65,17 @@ if [ "${SUMMARY_ONLY:-0}" != 1 ]; then
     echo "FusedAdam build: exit $? in $((SECONDS - t))s"
   fi
   # The recipe both engine runs use: the workload's settings on top of $RECIPE
-  python3 - "$RECIPE" /tmp/gvt_recipe.yaml "${MAX_NEW_TOKENS:-}" "${FREE_LENGTH:-0}" <<'EOF'
+  python3 - "$RECIPE" /tmp/gvt_recipe.yaml "${MAX_NEW_TOKENS:-}" "${FREE_LENGTH:-0}" "${GROUP_SIZE:-}" <<'EOF'
 import sys, yaml
-src, dst, mnt, free = sys.argv[1:5]
+src, dst, mnt, free, group = sys.argv[1:6]
 r = yaml.safe_load(open(src))
 g = r.setdefault("grpo", {})
 g.update(beta=0.04, kl="k3", rewards=[{"name": "numeric", "weight": 1.0, "which": "first"}])
 g.pop("eval_path", None); g.pop("eval_every", None)
 if mnt:
     g["max_new_tokens"] = int(mnt)
+if group:
+    g["group_size"] = int(group)
 if free != "1":
     g["min_new_tokens"] = g.get("max_new_tokens", 8)
 r["checkpoint"] = {"every_steps": 0, "every_minutes": 0, "at_end": False}

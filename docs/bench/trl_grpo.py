@@ -22,7 +22,8 @@ DeepSpeed: --ds_config (default ds_configs/zero3_grpo.json) passed to TRL throug
 with `expert_parallel` removed (AutoEP is this engine's layer swap; TRL trains the Hugging Face MoE as it is) and
 the batch sizes, lr, Adam betas/eps/weight decay, gradient clipping and bf16 set to "auto", filled by
 transformers from the same values given as training arguments (read from the file). ZeRO stage and its knobs
-are the file's. TRL gathers the ZeRO-3 parameters once per generate call (ds3_gather_for_generation, default).
+are the file's (ZeRO-3 gather settings left "auto" resolved as bin/grpo.py does). TRL gathers the ZeRO-3
+parameters once per generate call (ds3_gather_for_generation, default).
 
 Timing: a TrainerCallback takes the wall time from on_step_begin to on_step_end of every optimizer step
 (generation, reference and policy forwards, backward, optimizer step), after a device synchronize; the rollout
@@ -72,12 +73,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def trl_ds_config(path: str, bf16: bool) -> tuple[dict, dict]:
+def trl_ds_config(path: str, bf16: bool, world: int, device: str) -> tuple[dict, dict]:
     """The DS config for TRL: the file without expert_parallel, with the values transformers checks against its
-    training arguments set to "auto"; and those training arguments, read from the file."""
+    training arguments set to "auto"; and those training arguments, read from the file. ZeRO-3's gather settings
+    left "auto" get the numbers bin/grpo.py gives them (engine/ds_config.py ZERO3_GATHER): transformers has no "auto"
+    for stage3_max_live_parameters / stage3_max_reuse_distance and refuses the file otherwise."""
+    from engine.ds_config import resolve_zero3_gather
+
     with open(path) as f:
         ds = json.load(f)
     ds.pop("expert_parallel", None)
+    resolve_zero3_gather(ds, world, device)
     targs = {}
     opt = ds.get("optimizer", {}).get("params", {})
     if "betas" in opt and opt["betas"] != "auto":
@@ -146,7 +152,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"error: micro_batch {args.micro_batch} x grad_accum {args.grad_accum} x world {world} must "
                          f"equal prompts_per_step x group_size = {n_seq} (one optimizer step per rollout batch)")
     bf16 = not args.fp32
-    ds_dict, targs = (None, {}) if args.no_deepspeed else trl_ds_config(args.ds_config, bf16)
+    ds_dict, targs = (None, {}) if args.no_deepspeed else trl_ds_config(args.ds_config, bf16, world,
+                                                                           "cuda" if torch.cuda.is_available() else "cpu")
     ds_name = "none" if args.no_deepspeed else (os.path.relpath(args.ds_config, ROOT) if args.ds_config.startswith(ROOT)
                                                 else args.ds_config) + " (expert_parallel removed)"
     generation_kwargs = None if args.no_force_length else {"min_new_tokens": args.max_new_tokens}
