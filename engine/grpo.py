@@ -404,8 +404,11 @@ def build_reference(policy, recipe: Recipe, ds: dict, tok, world_size: int):
     builds no optimizer-free engine for them with AutoEP), and so does ZeRO-3 on one rank with its parameters on the
     device (its "shards" are whole tensors): a plain Hugging Face copy on this rank's device, the same bytes without
     ZeRO-3's per-module hooks, which made the reference forward on one H200 3x as long as ZeRO-2's
-    (docs/benchmarks.md, GRPO sections)."""
-    if zero_stage(ds) < 3 or (world_size == 1 and not params_offloaded(ds)):
+    (docs/benchmarks.md, GRPO sections). That one-rank copy is for accelerator ranks: a copy computes the experts
+    through transformers' kernels, not AutoEP's, so in bf16 its log-probs differ from the policy's at step 1 (k3 KL
+    3.5e-5 in the CPU demo, where the engine's reference gives 0); on a CPU, where the hooks were never the cost,
+    the reference stays the engine with the policy's numbers."""
+    if reference_is_copy(ds, world_size, policy.device):
         return local_copy(policy.module, policy.device, decode_experts="grouped_mm")
     ref_ds = {k: v for k, v in ds.items() if k != "optimizer"}
     model = build_model(recipe.model, ref_ds, tok, dtype=model_dtype(ds), hf_config=policy.module.config)
@@ -424,6 +427,12 @@ def build_reference(policy, recipe: Recipe, ds: dict, tok, world_size: int):
             b.copy_(pol_b[name])
     ref.eval()
     return ref
+
+
+def reference_is_copy(ds: dict, world_size: int, device) -> bool:
+    """build_reference's choice: a plain copy under ZeRO 0-2, and under ZeRO-3 on one accelerator rank whose
+    parameters stay on it; else an optimizer-free DeepSpeed engine on the policy's shards."""
+    return zero_stage(ds) < 3 or (world_size == 1 and not params_offloaded(ds) and torch.device(device).type != "cpu")
 
 
 def params_offloaded(ds: dict) -> bool:

@@ -285,3 +285,18 @@ def test_the_race_samples_the_softmax():
     nucleus = torch.where(keep, p, 0.0) / torch.where(keep, p, 0.0).sum()
     got = torch.bincount(sample(logits.expand(40000, -1), 0.5, 0.8), minlength=6).float() / 40000
     torch.testing.assert_close(got, nucleus, atol=0.01, rtol=0)
+
+
+def test_the_reference_is_a_copy_where_zero3_hooks_would_cost_and_numbers_allow():
+    """grpo.reference_is_copy: ZeRO 0-2 always a plain copy; ZeRO-3 a copy only on one accelerator rank with its
+    parameters on it (the whole model is local there); on several ranks, with offloaded parameters, or on a CPU rank
+    the optimizer-free engine on the policy's shards (on a CPU: the policy's own numbers, KL 0 at step 1)."""
+    from engine.grpo import reference_is_copy
+
+    z3 = {"zero_optimization": {"stage": 3}}
+    off = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
+    z2 = {"zero_optimization": {"stage": 2}}
+    assert reference_is_copy(z3, 1, "cuda:0") and reference_is_copy(z3, 1, torch.device("cuda", 0))
+    assert not reference_is_copy(z3, 2, "cuda:0") and not reference_is_copy(off, 1, "cuda:0")
+    assert not reference_is_copy(z3, 1, "cpu")
+    assert all(reference_is_copy(z2, n, d) for n in (1, 2) for d in ("cpu", "cuda:0"))
