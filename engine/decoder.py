@@ -660,7 +660,8 @@ def race(logits: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tenso
     n, v = logits.shape
     noise = torch.empty_like(logits).exponential_() if noise is None else noise
     k = vocab_split(v)
-    best, where = (logits - noise.log()).view(n, k, -1).max(dim=-1)  # (N, k) each
+    # noise of exactly 0 would make an excluded token's -inf - log 0 a NaN, which max picks: the smallest float instead
+    best, where = (logits - noise.clamp(min=torch.finfo(noise.dtype).tiny).log()).view(n, k, -1).max(dim=-1)
     piece = best.argmax(dim=-1, keepdim=True)  # (N, 1)
     return (piece * (v // k) + where.gather(-1, piece)).squeeze(-1)
 

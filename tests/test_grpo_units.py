@@ -263,6 +263,9 @@ def test_the_split_race_draws_what_the_whole_vocabulary_race_draws(vocab):
         want = (logits.softmax(-1) / noise).argmax(-1)
         assert torch.equal(race(logits, noise), want)
     torch.testing.assert_close(split_logsumexp(logits), torch.logsumexp(logits, -1), atol=1e-5, rtol=0)
+    noise = torch.ones_like(logits)
+    noise[1, 7] = 0.0  # a draw of exactly 0 on an excluded token does not pick it
+    assert int(race(logits, noise)[1]) != 7
     eos = torch.tensor([int(logits[0].argmax())])  # the likeliest token of row 0
     for t in (0.7, 1.0):
         tok, logp = draw(logits, eos, t, 1.0)
