@@ -406,8 +406,8 @@ def build_reference(policy, recipe: Recipe, ds: dict, tok, world_size: int):
     ZeRO-3's per-module hooks, which made the reference forward on one H200 3x as long as ZeRO-2's
     (docs/benchmarks.md, GRPO sections). That one-rank copy is for accelerator ranks: a copy computes the experts
     through transformers' kernels, not AutoEP's, so in bf16 its log-probs differ from the policy's at step 1 (k3 KL
-    3.5e-5 in the CPU demo, where the engine's reference gives 0); on a CPU, where the hooks were never the cost,
-    the reference stays the engine with the policy's numbers."""
+    3.5e-5 in the CPU demo, where the engine's reference gives 0); on a CPU rank the reference stays the engine, with
+    the policy's numbers (the copy's speed-up was measured on a GPU only)."""
     if reference_is_copy(ds, world_size, policy.device):
         return local_copy(policy.module, policy.device, decode_experts="grouped_mm")
     ref_ds = {k: v for k, v in ds.items() if k != "optimizer"}
