@@ -631,11 +631,10 @@ def draw(logits: torch.Tensor, no_eos: torch.Tensor | None, temperature: float,
     """One decode step's choice: (N, V) float logits -> the sampled tokens (N,) (sample; with `no_eos`, a (1,) tensor
     holding the EOS id, EOS is never drawn) and their log-probs under softmax(logits / T) over the whole vocabulary,
     with no EOS mask and no top-p (the distribution the trainer scores); None when greedy."""
-    masked = logits if no_eos is None else logits.index_fill(-1, no_eos, float("-inf"))
-    tok = sample(masked, temperature, top_p)
     if temperature == 0:
-        return tok, None
-    scaled = logits / temperature
+        return sample(logits if no_eos is None else logits.index_fill(-1, no_eos, float("-inf")), 0, top_p), None
+    scaled = logits / temperature  # once: the sample and its log-prob both read it
+    tok = sample(scaled if no_eos is None else scaled.index_fill(-1, no_eos, float("-inf")), 1.0, top_p)
     return tok, scaled.gather(-1, tok[:, None]).squeeze(-1) - split_logsumexp(scaled)
 
 
@@ -671,7 +670,8 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tens
     to the top-p nucleus, drawn with the exponential race (race)."""
     if temperature == 0:
         return logits.argmax(-1)
-    logits = logits / temperature
+    if temperature != 1.0:
+        logits = logits / temperature
     if top_p < 1.0:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(-1)

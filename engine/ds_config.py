@@ -96,13 +96,21 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, ranks_per_node
     return cfg
 
 
+def whole_model_on_one_gpu(cfg: dict, world_size: int, device: str) -> bool:
+    """One CUDA rank whose ZeRO-3 parameters stay on it: every "shard" is the whole tensor, so what ZeRO-3 does per
+    module call buys nothing (ZERO3_GATHER's single-rank values; GRPO's plain-copy reference). `device`: the device
+    type ("cuda", "cpu", ...); on other devices nothing was measured."""
+    z = cfg.get("zero_optimization") or {}
+    offload = (z.get("offload_param") or {}).get("device", "none") not in (None, "none")
+    return world_size == 1 and not offload and device == "cuda"
+
+
 def resolve_zero3_gather(cfg: dict, world_size: int, device: str = "cpu") -> None:
-    """ZERO3_GATHER's "auto" values: the single-rank ones on one GPU rank whose parameters stay on the GPU."""
+    """ZERO3_GATHER's "auto" values: the single-rank ones where whole_model_on_one_gpu."""
     z = cfg.get("zero_optimization")
     if not isinstance(z, dict):
         return
-    offload = (z.get("offload_param") or {}).get("device", "none") not in (None, "none")
-    single = world_size == 1 and not offload and device == "cuda"
+    single = whole_model_on_one_gpu(cfg, world_size, device)
     for key, (one, default) in ZERO3_GATHER.items():
         if z.get(key) == "auto":
             z[key] = one if single else default

@@ -23,7 +23,7 @@ from . import checkpoint, curriculum
 from .config import ConfigError, GRPOConfig, Recipe, load_recipe, model_from_hf_dir
 from .data import load_tokenizer
 from .auto_batch import SEQUENCES_PER_STEP, GRPOAutoBatch, host_memory_problem
-from .ds_config import BATCH_KEYS, read_ds_config, resolve_ds_config, zero_stage
+from .ds_config import BATCH_KEYS, read_ds_config, resolve_ds_config, whole_model_on_one_gpu, zero_stage
 from .grpo_math import GRPOLossConfig, group_advantages, keep_mask, kl_k3, policy_loss
 from .metrics import DeviceClock, Metrics, print0
 from .model import build_model, make_hf_config
@@ -404,7 +404,7 @@ def build_reference(policy, recipe: Recipe, ds: dict, tok, world_size: int):
     builds no optimizer-free engine for them with AutoEP), and so does ZeRO-3 on one rank with its parameters on the
     device (its "shards" are whole tensors): a plain Hugging Face copy on this rank's device, the same bytes without
     ZeRO-3's per-module hooks, which made the reference forward on one H200 3x as long as ZeRO-2's
-    (docs/benchmarks.md, GRPO sections). That one-rank copy is for accelerator ranks: a copy computes the experts
+    (docs/benchmarks.md, GRPO sections). That one-rank copy is for GPU ranks: a copy computes the experts
     through transformers' kernels, not AutoEP's, so in bf16 its log-probs differ from the policy's at step 1 (k3 KL
     3.5e-5 in the CPU demo, where the engine's reference gives 0); on a CPU rank the reference stays the engine, with
     the policy's numbers (the copy's speed-up was measured on a GPU only)."""
@@ -430,13 +430,9 @@ def build_reference(policy, recipe: Recipe, ds: dict, tok, world_size: int):
 
 
 def reference_is_copy(ds: dict, world_size: int, device) -> bool:
-    """build_reference's choice: a plain copy under ZeRO 0-2, and under ZeRO-3 on one accelerator rank whose
-    parameters stay on it; else an optimizer-free DeepSpeed engine on the policy's shards."""
-    return zero_stage(ds) < 3 or (world_size == 1 and not params_offloaded(ds) and torch.device(device).type != "cpu")
-
-
-def params_offloaded(ds: dict) -> bool:
-    return ((ds.get("zero_optimization") or {}).get("offload_param") or {}).get("device", "none") not in (None, "none")
+    """build_reference's choice: a plain copy under ZeRO 0-2, and under ZeRO-3 where the whole model sits on one GPU
+    rank (ds_config.whole_model_on_one_gpu); else an optimizer-free DeepSpeed engine on the policy's shards."""
+    return zero_stage(ds) < 3 or whole_model_on_one_gpu(ds, world_size, torch.device(device).type)
 
 
 def _build_device(ds: dict):

@@ -287,7 +287,7 @@ def test_packed_train_passes_train_the_same_policy_on_two_ranks(pack_runs):
 
 def test_two_iterations_run_the_old_logprob_forward_on_one_rank(pretrained):
     (info,) = probe(pretrained, "iter2", 1, "local", True, iterations=2)
-    # ZeRO-3 on one CPU rank: the reference is the optimizer-free engine (a plain copy only on an accelerator rank,
+    # ZeRO-3 on one CPU rank: the reference is the optimizer-free engine (a plain copy only on a GPU rank,
     # grpo.reference_is_copy), with exactly the policy's logits before the first update; it stays put while the
     # policy moves.
     assert info["ref_kind"] == "DeepSpeedEngine" and info["ref_training"] is False

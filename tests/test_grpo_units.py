@@ -291,7 +291,7 @@ def test_the_race_samples_the_softmax():
 
 
 def test_the_reference_is_a_copy_where_zero3_hooks_would_cost_and_numbers_allow():
-    """grpo.reference_is_copy: ZeRO 0-2 always a plain copy; ZeRO-3 a copy only on one accelerator rank with its
+    """grpo.reference_is_copy: ZeRO 0-2 always a plain copy; ZeRO-3 a copy only on one GPU rank with its
     parameters on it (the whole model is local there); on several ranks, with offloaded parameters, or on a CPU rank
     the optimizer-free engine on the policy's shards (on a CPU: the policy's own numbers, KL 0 at step 1)."""
     from engine.grpo import reference_is_copy
