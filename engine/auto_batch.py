@@ -35,6 +35,7 @@ CANDIDATES = (32, 16, 8, 4, 2, 1)  # powers of 2, capped at 32: the largest that
 USABLE_FRACTION = 0.90  # of the device memory (x --memory_fraction): the allocator's cache and fragmentation
 MARGIN_GIB = 1.0  # on top of that: the CUDA context and what the model does not count
 CPU_MICRO, CPU_ACCUM = 8, 1  # the CPU: small and fixed, as zero3.json shipped (the tiny default stays quick)
+GRPO_CPU_MICRO = 16  # GRPO on the CPU: its rows are short (prompt + completion), so 16 rows of them (the demo: 16 x 4)
 SEQUENCES_PER_STEP = 64  # default accumulation target on accelerators: 64 x seq_len tokens per step per GPU
 
 # Calibration (one H200, seq_len 2048, deepseek_2b6: 2,590,255,104 parameters, hidden 2048, 12 layers; the rows are
@@ -435,8 +436,8 @@ class GRPOAutoBatch(AutoBatch):
                      if self.sequences % m == 0 and (m * self.seq_len <= most or m == 1))
 
     def cpu_micro(self) -> tuple[int, str]:
-        m = next(c for c in self.candidates() if c <= CPU_MICRO)
-        return m, f"the CPU's: the largest of {', '.join(map(str, CANDIDATES))} up to {CPU_MICRO} dividing it"
+        m = next(c for c in self.candidates() if c <= GRPO_CPU_MICRO)
+        return m, f"the CPU's: the largest power of 2 up to {GRPO_CPU_MICRO} dividing it"
 
     def train_recipe(self, recipe: Recipe) -> Recipe:
         from dataclasses import replace

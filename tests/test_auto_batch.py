@@ -301,7 +301,7 @@ def test_grpo_refuses_half_an_auto_batch_before_any_work(monkeypatch, tmp_path):
     with pytest.raises(ConfigError, match=r'^DeepSpeed config .*ds.json: train_micro_batch_size_per_gpu "auto" '
                                           'with a number for the other batch value: for GRPO leave both'):
         preflight(args, World(rank=0, size=1, local_size=1))
-    ds = write_ds(tmp_path / "ds2.json", base=ROOT / "ds_configs" / "zero3_grpo.json")  # 16 x 4: 64 sequences
+    ds = write_ds(tmp_path / "ds2.json", base=ROOT / "tests" / "zero3_grpo_16x4.json")  # 16 x 4: 64 sequences
     import yaml
 
     recipe = yaml.safe_load((RECIPES / "grpo_tiny.yaml").read_text())

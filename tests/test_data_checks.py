@@ -16,7 +16,7 @@ from conftest import DEEPSPEED, ROOT, ZERO3, env, free_port, read_metrics, write
 
 from engine.config import RECIPES
 
-ZERO3_GRPO = ROOT / "ds_configs" / "zero3_grpo.json"
+ZERO3_GRPO = ROOT / "tests" / "zero3_grpo_16x4.json"  # the shipped zero3_grpo.json with its batch written: 16 x 4
 SMALL_SAMPLE = ROOT / "tests" / "scripts" / "pretrain_small_sample.py"
 GRPO_TINY = (RECIPES / "grpo_tiny.yaml").read_text()
 TINY = (RECIPES / "tiny.yaml").read_text()

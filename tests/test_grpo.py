@@ -19,7 +19,7 @@ from conftest import ROOT, ZERO3, env, read_metrics, run_in_process, run_ranks, 
 
 PROBE = ROOT / "tests" / "scripts" / "grpo_probe.py"
 GRPO = ROOT / "bin" / "grpo.py"
-ZERO3_GRPO = ROOT / "ds_configs" / "zero3_grpo.json"
+ZERO3_GRPO = ROOT / "tests" / "zero3_grpo_16x4.json"  # the shipped zero3_grpo.json with its batch written: 16 x 4
 ASSETS = ROOT / "engine" / "assets"
 HANG = 300  # seconds: a 2-rank GRPO run takes ~30 s on 2 busy cores; past this it hangs, and the test fails
 
@@ -652,7 +652,7 @@ def test_replayed_router_gradient_equals_the_hand_computed_one(replays):
 
 def test_grpo_takes_the_pretraining_configs_auto_batch(pretrained):
     """One DS config for both commands: bin/grpo.py with the shipped zero3.json (batch "auto") fits the micro-batch
-    (on the CPU: the largest of 8, 4, 2, 1 dividing the rollout batch) and accumulates to the rollout batch
+    (on the CPU: the largest power of 2 up to 16 dividing the rollout batch) and accumulates to the rollout batch
     (grpo.prompts_per_step_per_gpu 3 x G 4 = 12 sequences: 4 x 3), says so once, and trains exactly as
     zero3_grpo.json with those numbers written."""
     d = pretrained / "auto_batch"
@@ -665,7 +665,7 @@ def test_grpo_takes_the_pretraining_configs_auto_batch(pretrained):
     p = run_launcher(1, GRPO, "--deepspeed_config", ZERO3, *common, "--run_dir", d / "auto", cwd=d)
     batch = [line for line in p.stdout.splitlines() if line.startswith("batch:")]
     assert batch == ['batch: micro-batch 4 x 3 accumulation per GPU ("auto": micro-batch 4: the CPU\'s: the largest '
-                     "of 32, 16, 8, 4, 2, 1 up to 8 dividing it; accumulation 3: 12 sequences per step per GPU "
+                     "power of 2 up to 16 dividing it; accumulation 3: 12 sequences per step per GPU "
                      "(grpo.prompts_per_step_per_gpu 3 x 4 completions) / 4)"], p.stdout
     written = write_ds(d / "written.json", base=ZERO3_GRPO, train_micro_batch_size_per_gpu=4,
                        gradient_accumulation_steps=3)

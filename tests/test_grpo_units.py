@@ -303,3 +303,17 @@ def test_the_reference_is_a_copy_where_zero3_hooks_would_cost_and_numbers_allow(
     assert not reference_is_copy(z3, 2, "cuda:0") and not reference_is_copy(off, 1, "cuda:0")
     assert not reference_is_copy(z3, 1, "cpu")
     assert all(reference_is_copy(z2, n, d) for n in (1, 2) for d in ("cpu", "cuda:0"))
+
+
+def test_the_tests_written_batch_copy_is_the_shipped_grpo_config():
+    """The shipped GRPO configs leave the batch to the engine ("auto": the micro-batch fitted to the device; 16 x 4
+    for the CPU demo); tests/zero3_grpo_16x4.json, which the written-batch tests use, is zero3_grpo.json with 16 x 4
+    written and nothing else changed."""
+    import json
+
+    for name in ("zero3_grpo.json", "zero2_grpo.json"):
+        shipped = json.loads((ROOT / "ds_configs" / name).read_text())
+        assert shipped["train_micro_batch_size_per_gpu"] == shipped["gradient_accumulation_steps"] == "auto", name
+    shipped = json.loads((ROOT / "ds_configs" / "zero3_grpo.json").read_text())
+    copy = json.loads((ROOT / "tests" / "zero3_grpo_16x4.json").read_text())
+    assert copy == {**shipped, "train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 4}

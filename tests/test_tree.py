@@ -12,7 +12,7 @@ import torch
 from conftest import ROOT, read_metrics, run_in_process
 
 TINY = (ROOT / "engine" / "recipes" / "grpo_tiny.yaml").read_text()
-ZERO3_GRPO = ROOT / "ds_configs" / "zero3_grpo.json"
+ZERO3_GRPO = ROOT / "tests" / "zero3_grpo_16x4.json"  # the shipped zero3_grpo.json with its batch written: 16 x 4
 
 
 @pytest.fixture(autouse=True)

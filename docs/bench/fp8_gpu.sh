@@ -14,11 +14,13 @@
 # floor, raw and against the floor's maximum over +-WINDOW (10) steps. TOKENS_PER_STEP sets the recipe's
 # train.tokens_per_step_per_gpu (32768: 16 sequences of 2048 a step). Loss curves, as issue-28 asks (one call per config):
 #   NOISE=1 TOKENS_PER_STEP=32768 STEPS=300 CONFIGS=zero2.json MODES="false dense" T_RUN=200 bash docs/bench/fp8_gpu.sh
+# SUMMARY_ONLY=1: only the table and the floor, from the rows already in $OUT (e.g. runs of one series split over
+# two calls: MODES=false NOISE=1 in one, MODES=dense in the next, then MODES="false dense" NOISE=1 SUMMARY_ONLY=1).
 # Files: $OUT/fp8_<config>_<mode>.jsonl (metrics rows), $OUT/fp8.md (table), $OUT/logs.tgz.
 set -u
 OUT=${OUT:-/tmp/fp8}; W=/tmp/fp8w; mkdir -p "$OUT" $W/logs
-. docs/bench/gpu_env.sh deepspeed
-python3 -c "import torch, torchao; print('torch', torch.__version__, 'torchao', torchao.__version__, torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))"
+[ -z "${SUMMARY_ONLY:-}" ] && . docs/bench/gpu_env.sh deepspeed
+[ -z "${SUMMARY_ONLY:-}" ] && python3 -c "import torch, torchao; print('torch', torch.__version__, 'torchao', torchao.__version__, torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))"
 RECIPE=${RECIPE:-deepseek_2b6}
 RUNS="${MODES:-false dense all}"; [ -n "${NOISE:-}" ] && RUNS="$RUNS reseed"
 for mode in $RUNS; do
@@ -31,6 +33,7 @@ done
 port=29900
 for cfg in ${CONFIGS:-zero2.json zero3.json}; do
   for mode in $RUNS; do
+    [ -n "${SUMMARY_ONLY:-}" ] && continue
     port=$((port + 1)); name=${cfg%.json}_$mode; t=$SECONDS; rm -rf $W/$name
     timeout -k 15 ${T_RUN:-240} python3 -m deepspeed.launcher.runner --master_port $port --num_gpus 1 bin/pretrain.py \
       --deepspeed_config ds_configs/$cfg --config $W/$mode.yaml --max_steps ${STEPS:-30} --run_dir $W/$name \
@@ -86,7 +89,7 @@ for cfg in sys.argv[3:]:
                   f"inside the floor at {inside} of {len(gap)} steps, inside its max over +-{w} steps at "
                   f"{inside_w} of {len(gap)}")
 PY
-if [ -n "${PROFILE:-}" ]; then
+if [ -n "${PROFILE:-}" ] && [ -z "${SUMMARY_ONLY:-}" ]; then
   for cfg in ${CONFIGS:-zero2.json zero3.json}; do
     for mode in ${MODES:-false dense all}; do
       port=$((port + 1)); name=${cfg%.json}_$mode; t=$SECONDS
@@ -100,4 +103,4 @@ if [ -n "${PROFILE:-}" ]; then
   done
   cat "$OUT/fp8.md"
 fi
-tar czf "$OUT/logs.tgz" -C $W logs
+[ -z "${SUMMARY_ONLY:-}" ] && tar czf "$OUT/logs.tgz" -C $W logs

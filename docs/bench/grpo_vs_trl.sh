@@ -83,10 +83,12 @@ yaml.safe_dump(r, open(dst, "w"), sort_keys=False)
 print(f"recipe {dst}: {src} with grpo {g}")
 EOF
   # what TRL takes from the same recipe and zero3_grpo.json: max_new_tokens, lr, G, prompts file, micro x accumulation
+  # (the file's "auto" batch is the engine's: TRL gets TRL_MICRO x TRL_GA, 16 x 4 = the same 64 sequences per step)
   read -r MNT LR G DATA MICRO GA < <(python3 -c "import json, yaml; r = yaml.safe_load(open('/tmp/gvt_recipe.yaml'))
 d = json.load(open('ds_configs/zero3_grpo.json'))
+m, a = d['train_micro_batch_size_per_gpu'], d['gradient_accumulation_steps']
 print(r['grpo']['max_new_tokens'], r['train']['lr'], r['grpo'].get('group_size', 8), r['data']['path'],
-      d['train_micro_batch_size_per_gpu'], d['gradient_accumulation_steps'])")
+      ${TRL_MICRO:-16} if m == 'auto' else m, ${TRL_GA:-4} if a == 'auto' else a)")
   if [ "${REUSE_INIT:-0}" = 1 ] && [ -f "$INIT/config.json" ]; then
     echo "init: reusing $INIT"
   else
