@@ -806,7 +806,7 @@ def setup(recipe: Recipe, ds: dict, tok, rewards, prompts, evals, world: World) 
     t = recipe.train  # one schedule step per optimizer step: `iterations` per GRPO step
     schedule = replace(t, max_steps=t.max_steps * g.iterations, warmup_steps=t.warmup_steps * g.iterations,
                        decay_steps=t.decay_steps and t.decay_steps * g.iterations)
-    policy = build_engine(model, ds, schedule)
+    policy = build_engine(model, ds, schedule, lengths_vary=True)
     ref = build_reference(policy, recipe, ds, tok, world.size) if g.beta > 0 else None
     micro = policy.train_micro_batch_size_per_gpu()
     n_seq = micro * policy.gradient_accumulation_steps()

@@ -173,8 +173,10 @@ def lr_multiplier(train):
     return warmup_cosine(train.warmup_steps, train.decay_steps or train.max_steps, train.min_lr_ratio)
 
 
-def build_engine(model: torch.nn.Module, ds_config: dict, train=None):
-    """deepspeed.initialize with the recipe's LR schedule; `train` None builds an optimizer-free engine."""
+def build_engine(model: torch.nn.Module, ds_config: dict, train=None, lengths_vary: bool = False):
+    """deepspeed.initialize with the recipe's LR schedule; `train` None builds an optimizer-free engine.
+    lengths_vary: the batches' sequence length changes from step to step (GRPO's rollouts), so what is compiled is
+    compiled for any length at once (model.compile_parameter_free)."""
     import deepspeed
 
     schedule = None
@@ -185,7 +187,7 @@ def build_engine(model: torch.nn.Module, ds_config: dict, train=None):
         engine, *_ = deepspeed.initialize(model=model, config=ds_config, lr_scheduler=schedule,
                                           model_parameters=model.parameters() if train is not None else None)
     if compiles_parameter_free(ds_config, train):
-        done = compile_parameter_free(engine.module)
+        done = compile_parameter_free(engine.module, lengths_vary)
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"compile: parameter-free functions only under ZeRO-3: {', '.join(done)}", flush=True)
     return engine
