@@ -42,6 +42,10 @@ def main(argv=None) -> int:
     ap.add_argument("--min_new_tokens", action="store_true",
                     help="force the length as GRPO's grpo.min_new_tokens does (the real EOS id, masked until the last "
                     "token) instead of an EOS id that never occurs")
+    ap.add_argument("--no_fold_shared", action="store_true",
+                    help="keep DeepSeek's shared experts as their own GEMMs (dense experts fold them in by default)")
+    ap.add_argument("--compile_mode", default="reduce-overhead",
+                    help="torch.compile mode of the decode step (max-autotune: also tunes its GEMMs; compiles longer)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
 
@@ -67,7 +71,8 @@ def main(argv=None) -> int:
     cache_len = -(-(req.prompt_ids.shape[1] + args.new_tokens) // 16) * 16
     t0 = time.perf_counter()
     dec = Decoder(model, device, args.batch, cache_len, args.decode_experts or recipe.grpo.decode_experts,
-                  compile=False if args.no_compile else None, record_routes=args.record_routes)
+                  compile=False if args.no_compile else None, record_routes=args.record_routes,
+                  fold_shared=not args.no_fold_shared, compile_mode=args.compile_mode)
     build_s = time.perf_counter() - t0
     rows = []
 
@@ -119,6 +124,7 @@ def main(argv=None) -> int:
             for r in rows:
                 f.write(json.dumps({"config": args.config, "decode_experts": dec.decode_experts, "batch": args.batch,
                                     "new_tokens": args.new_tokens, "record_routes": args.record_routes,
+                                    "fold_shared": not args.no_fold_shared, "compile_mode": args.compile_mode,
                                     "dtype": str(dtype).replace("torch.", ""), "cache_len": cache_len, **r}) + "\n")
     return 0
 

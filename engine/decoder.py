@@ -82,15 +82,22 @@ def dense_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
     return F.linear(h.reshape(T, -1), down)
 
 
-def fuse_for_decode(model: torch.nn.Module, dense_experts: bool) -> list[torch.Tensor]:
+def fuse_for_decode(model: torch.nn.Module, dense_experts: bool, fold_shared: bool = True) -> list[torch.Tensor]:
     """Lay out the decoder's weights for fewer, larger GEMMs; returns the new storages.
 
     Linears that read the same input share one storage, rows stacked, and each keeps its own weight as a view
     into it (so `copy_weights` fills them unchanged): an MLP's gate_proj and up_proj; MLA's q_a_proj and
-    kv_a_proj_with_mqa. With dense experts, the experts' down projections are stored (H, E, F). Run on the empty
-    copy, before its weights are written."""
+    kv_a_proj_with_mqa. With dense experts, the experts' down projections are stored (H, E, F), and with
+    `fold_shared` a DeepSeek MoE block's shared experts join the routed experts' two GEMMs (`fold_shared_experts`).
+    Run on the empty copy, before its weights are written."""
     storages = []
+    if dense_experts and fold_shared:
+        for m in model.modules():
+            if _foldable(m):
+                storages += fold_shared_experts(m)
     for m in model.modules():
+        if getattr(m, "_folded", False):
+            continue
         pair = [getattr(m, a, None) for a in (("gate_proj", "up_proj") if hasattr(m, "gate_proj")
                                                else ("q_a_proj", "kv_a_proj_with_mqa"))]
         if all(isinstance(l, torch.nn.Linear) and l.bias is None for l in pair):
@@ -109,6 +116,69 @@ def fuse_for_decode(model: torch.nn.Module, dense_experts: bool) -> list[torch.T
         if type(m).__name__ == "DeepseekV3TopkRouter" and m.num_group == 1:
             m.forward = types.MethodType(ungrouped_router_forward, m)
     return storages
+
+
+# MoE blocks whose forward is exactly `experts(x, top-k of gate(x)) + shared_experts(x)` (transformers 5.17)
+SHARED_PLUS_ROUTED = ("DeepseekV3MoE", "DeepseekV2Moe")
+
+
+def _foldable(m: torch.nn.Module) -> bool:
+    """A MoE block `fold_shared_experts` can take: of SHARED_PLUS_ROUTED, dense-capable experts (gate, no bias,
+    gate and up concatenated, (E, out, in) layout, transformers' default gate) and a gated, bias-free shared MLP with
+    the experts' activation."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    if type(m).__name__ not in SHARED_PLUS_ROUTED:
+        return False
+    e, s = getattr(m, "experts", None), getattr(m, "shared_experts", None)
+    linears = [getattr(s, a, None) for a in ("gate_proj", "up_proj", "down_proj")]
+    return (e is not None and getattr(e, "has_gate", False) and not getattr(e, "has_bias", True)
+            and getattr(e, "is_concatenated", True) and not getattr(e, "is_transposed", False)
+            and getattr(type(e), "_apply_gate", None) is _default_apply_gate
+            and all(isinstance(l, torch.nn.Linear) and l.bias is None for l in linears)
+            and type(s.act_fn) is type(e.act_fn))
+
+
+def fold_shared_experts(m: torch.nn.Module) -> list[torch.Tensor]:
+    """A DeepSeek MoE block's shared experts as extra columns of the dense experts' GEMMs: one (E*2F + 2S, H)
+    storage for the routed experts' gate/up and the shared gate and up rows, one (H, E*F + S) for the routed down
+    projections ((H, E, F)) and the shared down's columns; every weight a view into them, so `copy_weights` fills
+    them unchanged. A decode step then runs two GEMMs per MoE block instead of five (one H200, grpo_2b6, batch 64:
+    the shared MLP's three small GEMMs were ~6 us each, latency-bound). Same math; the sum of the routed and shared
+    outputs is accumulated inside one GEMM instead of added after rounding each."""
+    e, s = m.experts, m.shared_experts
+    E, two_f, H = e.gate_up_proj.shape
+    f, S = two_f // 2, s.gate_proj.out_features
+    gate_up = e.gate_up_proj.new_empty(E * two_f + 2 * S, H)
+    down = e.down_proj.new_empty(H, E * f + S)
+    P = lambda t: torch.nn.Parameter(t, requires_grad=False)  # noqa: E731
+    e.gate_up_proj = P(gate_up[:E * two_f].view(E, two_f, H))
+    s.gate_proj.weight, s.up_proj.weight = P(gate_up[E * two_f:E * two_f + S]), P(gate_up[E * two_f + S:])
+    e.down_proj = P(down[:, :E * f].view(H, E, f).permute(1, 0, 2))  # (E, H, F) as transformers keeps it
+    s.down_proj.weight = P(down[:, E * f:])
+    m._gate_up_all, m._down_all = gate_up, down
+    m.forward = types.MethodType(folded_moe_forward, m)
+    e._folded = s._folded = True
+    return [gate_up, down]
+
+
+def folded_moe_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """DeepseekV3MoE.forward on `fold_shared_experts`' storages: route, then (T, H) x (H, E*2F + 2S) and
+    (T, E*F + S) x (E*F + S, H), the routed part weighted by the routing weights (0 outside each token's top-k)."""
+    shape = hidden_states.shape
+    _, top_k_weights, top_k_index = self.gate(hidden_states)
+    x = hidden_states.view(-1, shape[-1])
+    owner = getattr(self.experts, "_route_owner", None)
+    if owner is not None:  # record_routes: what recording_experts_forward does for an unfolded block
+        owner._route_out[self.experts._route_slot].copy_(top_k_index)
+    T, E = x.shape[0], self.experts.num_experts
+    route = x.new_zeros(T, E).scatter_(1, top_k_index, top_k_weights.to(x.dtype))  # (T, E)
+    gate_up = F.linear(x, self._gate_up_all)  # (T, E*2F + 2S)
+    n = self.experts.gate_up_proj.shape[1] * E
+    routed = self.experts._apply_gate(gate_up[:, :n].view(T, E, -1)) * route[..., None]  # (T, E, F)
+    gate, up = gate_up[:, n:].chunk(2, dim=-1)
+    h = torch.cat([routed.reshape(T, -1), self.shared_experts.act_fn(gate) * up], dim=-1)  # (T, E*F + S)
+    return F.linear(h, self._down_all).view(shape)
 
 
 def _stack_rows(linears: list[torch.nn.Linear]) -> torch.Tensor:
@@ -335,7 +405,8 @@ class Decoder:
     builds = 0  # decoders built in this process: a test checks that GRPO builds one per run, not one per step
 
     def __init__(self, module: torch.nn.Module, device, batch_size: int, cache_len: int,
-                 decode_experts: str = "auto", compile: bool | None = None, record_routes: bool = False):
+                 decode_experts: str = "auto", compile: bool | None = None, record_routes: bool = False,
+                 fold_shared: bool = True, compile_mode: str = "reduce-overhead"):
         from transformers import StaticCache
 
         decode_experts = resolve_decode_experts(decode_experts, device)
@@ -345,7 +416,7 @@ class Decoder:
             # Decoding reads a static cache through an (N, cache_len) padding mask, which flex attention would turn
             # into a BlockMask (rebuilt per step, and not a mask absorbed MLA can apply): sdpa, the same math.
             model.set_attn_implementation("sdpa")
-        fused = fuse_for_decode(model, dense_experts=decode_experts == "dense")
+        fused = fuse_for_decode(model, dense_experts=decode_experts == "dense", fold_shared=fold_shared)
         config = model.config
         for m in model.modules():
             if hasattr(m, "kv_b_proj"):  # DeepSeek's MLA: attend in the latent space (absorbed_mla_forward)
@@ -371,7 +442,7 @@ class Decoder:
         for t in ([self.mask] + fused + ([self.route_step] if record_routes else [])) if self.device.type == "cuda" else []:
             torch._dynamo.mark_static_address(t)  # filled in place; the captured graph reads it where it is
         self.compile = self.device.type == "cuda" if compile is None else compile
-        self.step_fn = (torch.compile(self._forward, mode="reduce-overhead", fullgraph=True, dynamic=False)
+        self.step_fn = (torch.compile(self._forward, mode=compile_mode, fullgraph=True, dynamic=False)
                         if self.compile else self._forward)
         # generate's per-step sampling and log-prob over the whole vocabulary as one compiled function: eager, a
         # dozen kernels each read and write (rows x vocabulary) fp32 values (33 MB at 64 x 129,280)

@@ -142,10 +142,50 @@ def test_the_fused_decoder_layout_samples_as_generate_before_and_after_a_refresh
     mask = torch.ones_like(ids)
     mask[0, :4] = 0
     dec = Decoder(model, "cpu", batch_size=4, cache_len=32, decode_experts=experts)
-    fused = [m for m in dec.model.modules() if hasattr(m, "_qkv_a") or hasattr(m, "_gate_up")]
+    # with dense experts, each MoE block's shared experts are folded into its experts' storages (_gate_up_all)
+    fused = [m for m in dec.model.modules() if hasattr(m, "_qkv_a") or hasattr(m, "_gate_up") or hasattr(m, "_gate_up_all")]
     assert len(fused) >= 3, "no fused storages: the test would not exercise them"
     for m in fused:
-        w = m._qkv_a if hasattr(m, "_qkv_a") else m._gate_up
-        first = m.q_a_proj.weight if hasattr(m, "_qkv_a") else m.gate_proj.weight
+        w = m._qkv_a if hasattr(m, "_qkv_a") else m._gate_up if hasattr(m, "_gate_up") else m._gate_up_all
+        first = (m.q_a_proj.weight if hasattr(m, "_qkv_a") else m.gate_proj.weight if hasattr(m, "_gate_up")
+                 else m.experts.gate_up_proj)
         assert first.data_ptr() == w.data_ptr()
     check_decoder_follows_generate(model, dec, ids, mask)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2"])
+def test_shared_experts_folded_into_the_dense_experts_gemms_decode_as_generate(arch):
+    """With dense decode experts, a DeepSeek MoE block's shared experts become extra rows of the routed experts'
+    gate/up GEMM and extra columns of their down GEMM (every weight a view into the two storages, so a refresh
+    fills them). Greedy tokens and sampled log-probs follow transformers' generate before and after refreshes, and
+    the recorded expert ids equal an unfolded decoder's."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.config import ModelConfig
+    from engine.decoder import Decoder
+    from engine.model import make_hf_config
+
+    torch.manual_seed(0)
+    mc = ModelConfig(arch=arch, q_lora_rank=48, num_shared_experts=2, first_dense_layers=1, num_layers=3)
+    model = AutoModelForCausalLM.from_config(make_hf_config(mc)).eval()
+    ids = torch.randint(1, 512, (3, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    folded = Decoder(model, "cpu", batch_size=4, cache_len=32, decode_experts="dense", record_routes=True)
+    blocks = [m for m in folded.model.modules() if hasattr(m, "_gate_up_all")]
+    assert len(blocks) == 2, "the two MoE layers were not folded: the test would not exercise the fold"
+    for m in blocks:
+        start, end = m._gate_up_all.data_ptr(), m._gate_up_all.data_ptr() + m._gate_up_all.nbytes
+        for w in (m.experts.gate_up_proj, m.shared_experts.gate_proj.weight, m.shared_experts.up_proj.weight):
+            assert start <= w.data_ptr() < end
+        assert m.shared_experts.down_proj.weight.data_ptr() == m._down_all[:, -1:].data_ptr() - (
+            m.shared_experts.down_proj.weight.shape[1] - 1) * m._down_all.element_size()
+    plain = Decoder(model, "cpu", batch_size=4, cache_len=32, decode_experts="dense", record_routes=True,
+                    fold_shared=False)
+    assert not any(hasattr(m, "_gate_up_all") for m in plain.model.modules())
+    a = folded.generate(ids, mask, 8, eos_id=-1, pad_id=0, temperature=0)
+    b = plain.generate(ids, mask, 8, eos_id=-1, pad_id=0, temperature=0)
+    assert torch.equal(a, b)
+    assert torch.equal(folded.last_routes(3, a.shape[1]), plain.last_routes(3, b.shape[1]))
+    assert folded.last_routes(3, a.shape[1]).any()
+    check_decoder_follows_generate(model, folded, ids, mask)
