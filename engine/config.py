@@ -380,6 +380,29 @@ def load_recipe(path: str | Path | None = None, overrides: dict | None = None) -
     return recipe
 
 
+HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def weights_problem(d: Path) -> str | None:
+    """What is missing from a Hugging Face model directory's weights (None: a weights file, and every shard its index
+    names): a save cut short can leave config.json alone, which transformers only reports in a traceback on every
+    rank after the engine started."""
+    found = [f for f in HF_WEIGHT_FILES if (d / f).is_file()]
+    if not found:
+        return (f"no weights next to config.json (none of {', '.join(HF_WEIGHT_FILES)}; a save that was cut short "
+                "leaves config.json alone): save the model again, or point at a complete model directory")
+    if found[0].endswith(".index.json"):
+        try:
+            shards = sorted(set(json.loads((d / found[0]).read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            return f"{found[0]} is not a weights index (a JSON object with a weight_map: {type(e).__name__} {e})"
+        gone = [s for s in shards if not (d / s).is_file()]
+        if gone:
+            return (f"{found[0]} names {len(gone)} shard file(s) that are not there ({', '.join(gone[:3])}"
+                    f"{', ...' if len(gone) > 3 else ''}): copy them in, or save the model again")
+    return None
+
+
 def model_from_hf_dir(m: ModelConfig) -> list[str]:
     """model.init_from: set the family and sizes from the directory's config.json (a user's checkpoint needs no
     architecture fields in the recipe); returns what is wrong with it, each in one line."""
@@ -398,6 +421,9 @@ def model_from_hf_dir(m: ModelConfig) -> list[str]:
     if model_type not in families:
         return [f"{where}: model_type {model_type!r} is not a supported family (supported model_type values: "
                 f"{', '.join(families)})"]
+    missing = weights_problem(Path(m.init_from))
+    if missing:
+        return [f"{where}: {missing}"]
     from transformers import AutoConfig
 
     try:

@@ -229,6 +229,42 @@ def test_an_unsupported_model_type_is_refused(tmp_path, model_type, expect):
     assert expect in recipe_problem(tmp_path, f"model: {{init_from: {tmp_path / 'hf'}}}\n")
 
 
+def test_a_model_dir_without_its_weights_is_refused_in_one_line(tmp_path, capfd, monkeypatch):
+    """A save cut short (seen on the GPU machine: a timeout killed it while writing shards) leaves config.json alone;
+    transformers reported that only in a traceback from every rank after GRPO had started. Refused before any rank
+    starts, by model.init_from and by bin/grpo.py's --init_from; a sharded save's index naming a missing shard too."""
+    from engine.grpo import main
+
+    init = save_tiny("deepseek_v2", tmp_path / "hf")
+    weights = init / "model.safetensors"
+    assert weights.is_file()
+    assert load_recipe_ok(tmp_path, init)
+    weights.rename(tmp_path / "elsewhere.safetensors")
+    line = recipe_problem(tmp_path, f"model: {{init_from: {init}}}\n")
+    assert line.endswith(f"model.init_from {init}: no weights next to config.json (none of model.safetensors, "
+                    "model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.index.json; a save that was "
+                    "cut short leaves config.json alone): save the model again, or point at a complete model directory")
+    p = run_in_process(main, ["--deepspeed_config", ROOT / "ds_configs" / "zero3_grpo.json", "--init_from", init,
+                              "--run_dir", tmp_path / "run"], capfd, monkeypatch,
+                       RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, LOCAL_SIZE=1)
+    lines = [x for x in p.stderr.splitlines() if x.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and "no weights next to config.json" in lines[0], p.stderr
+    assert not (tmp_path / "run").exists()
+    (init / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    (tmp_path / "elsewhere.safetensors").rename(init / "model-00001-of-00002.safetensors")
+    line = recipe_problem(tmp_path, f"model: {{init_from: {init}}}\n")
+    assert line.endswith("model.safetensors.index.json names 1 shard file(s) that are not there "
+                         "(model-00002-of-00002.safetensors): copy them in, or save the model again")
+
+
+def load_recipe_ok(tmp_path, init) -> bool:
+    from engine.config import load_recipe
+
+    (tmp_path / "ok.yaml").write_text(f"model: {{init_from: {init}}}\n")
+    return load_recipe(tmp_path / "ok.yaml").model.arch == "deepseek_v2"
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "deepseek_v2", "qwen3_5_moe"])
 def test_aux_loss_free_balancing_is_refused_without_a_routing_bias(tmp_path, arch):
     line = recipe_problem(tmp_path, f"model: {{arch: {arch}}}\ntrain: {{balance_rate: 0.01}}\n")
