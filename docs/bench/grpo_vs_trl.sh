@@ -89,12 +89,15 @@ d = json.load(open('ds_configs/zero3_grpo.json'))
 m, a = d['train_micro_batch_size_per_gpu'], d['gradient_accumulation_steps']
 print(r['grpo']['max_new_tokens'], r['train']['lr'], r['grpo'].get('group_size', 8), r['data']['path'],
       ${TRL_MICRO:-16} if m == 'auto' else m, ${TRL_GA:-4} if a == 'auto' else a)")
-  if [ "${REUSE_INIT:-0}" = 1 ] && [ -f "$INIT/config.json" ]; then
+  if [ "${REUSE_INIT:-0}" = 1 ] && [ -f "$INIT/config.json" ] && [ -f "$INIT/model.safetensors" ]; then
     echo "init: reusing $INIT"
   else
-    t=$SECONDS
-    timeout "$(cut_to 180 120)" python3 docs/bench/save_random_model.py --config "$RECIPE" --out "$INIT" \
-      > "$LOGS/save_init.log" 2>&1
+    t=$SECONDS lim=$(cut_to 180 120)
+    # BUDGET_S too small for the init and the runs after it: say so (a negative limit is no `timeout` argument)
+    if [ "$lim" -lt 30 ]; then echo "init: not started, ${lim}s of BUDGET_S left for it: raise BUDGET_S"; exit 1; fi
+    # written next to $INIT and moved in place once complete: a cut save never looks like a model
+    rm -rf "$INIT.part" && timeout "$lim" python3 docs/bench/save_random_model.py --config "$RECIPE" --out "$INIT.part" \
+      > "$LOGS/save_init.log" 2>&1 && rm -rf "$INIT" && mv "$INIT.part" "$INIT"
     echo "init: exit $? in $((SECONDS - t))s: $(tail -1 "$LOGS/save_init.log")"
   fi
 
