@@ -369,7 +369,7 @@ def load_recipe(path: str | Path | None = None, overrides: dict | None = None) -
     problems: list[str] = []
     recipe = _fill(Recipe, raw, "", problems)
     if recipe.model.init_from is not None:
-        problems += model_from_hf_dir(recipe.model)
+        problems += model_from_hf_dir(recipe.model) or hf_weights_problems(recipe.model.init_from)
     problems += validate(recipe)
     if problems:
         e = ConfigError(f"recipe {path}: " + "; ".join(problems))
@@ -403,9 +403,16 @@ def weights_problem(d: Path) -> str | None:
     return None
 
 
+def hf_weights_problems(init_from: str) -> list[str]:
+    """model.init_from's weights_problem as the recipe's problem line (none when the weights are all there)."""
+    missing = weights_problem(Path(init_from))
+    return [f"model.init_from {init_from}: {missing}"] if missing else []
+
+
 def model_from_hf_dir(m: ModelConfig) -> list[str]:
     """model.init_from: set the family and sizes from the directory's config.json (a user's checkpoint needs no
-    architecture fields in the recipe); returns what is wrong with it, each in one line."""
+    architecture fields in the recipe); returns what is wrong with it, each in one line. Reads config.json only:
+    whether the weights are there is hf_weights_problems' (GRPO's "auto" reads a config-only temporary dir here)."""
     where = f"model.init_from {m.init_from}"
     if not Path(m.init_from, "config.json").is_file():
         return [f"{where}: not a Hugging Face model directory (no config.json)"]
@@ -421,9 +428,6 @@ def model_from_hf_dir(m: ModelConfig) -> list[str]:
     if model_type not in families:
         return [f"{where}: model_type {model_type!r} is not a supported family (supported model_type values: "
                 f"{', '.join(families)})"]
-    missing = weights_problem(Path(m.init_from))
-    if missing:
-        return [f"{where}: {missing}"]
     from transformers import AutoConfig
 
     try:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint, curriculum
-from .config import ConfigError, GRPOConfig, Recipe, load_recipe, model_from_hf_dir
+from .config import ConfigError, GRPOConfig, Recipe, hf_weights_problems, load_recipe, model_from_hf_dir
 from .data import load_tokenizer
 from .auto_batch import SEQUENCES_PER_STEP, GRPOAutoBatch, host_memory_problem
 from .ds_config import BATCH_KEYS, read_ds_config, resolve_ds_config, whole_model_on_one_gpu, zero_stage
@@ -262,7 +262,8 @@ def preflight(args, world: World):
         problems.append("no --init_from (nor model.init_from): GRPO would train a randomly initialised policy, which "
                         "earns no reward; pass --init_from a pretraining run dir, a checkpoint or a Hugging Face "
                         "model dir (or set grpo.allow_random_init: true, e.g. for benchmarks)")
-    found = model_from_hf_dir(replace(recipe.model, init_from=init)) if init is not None else []
+    found = (model_from_hf_dir(replace(recipe.model, init_from=init)) or hf_weights_problems(init)
+             if init is not None else [])
     if found:  # a Hugging Face dir of a family the engine does not train
         raise ConfigError("; ".join(problems + [f.replace("model.init_from", "--init_from", 1) for f in found]))
     hf_config = model_config(init_from, init, recipe, tok)

@@ -331,7 +331,7 @@ def test_pretrain_exits_2_with_one_line_before_any_rank_starts(tmp_path, capfd, 
     assert not (tmp_path / "run").exists()
 
 
-def test_the_model_covers_the_families_measured_on_one_gpu(tmp_path):
+def test_the_model_covers_the_families_measured_on_one_gpu(tmp_path, monkeypatch):
     """docs/bench/families/: each family's published shape truncated in depth, bin/pretrain.py with zero2.json "auto" on
     one H200 (139.8 GiB). Mixtral, DeepSeek-V2 and Qwen3.5-MoE ran at micro 8: predicted at least the measured peak,
     and at most 6 GiB above it. Qwen3.5-MoE (3 of its 4 layers Gated DeltaNet) also ran out of memory at micro 32 with
@@ -351,6 +351,9 @@ def test_the_model_covers_the_families_measured_on_one_gpu(tmp_path):
     d = Qwen3_5MoeTextConfig()  # Qwen3.5-35B-A3B's text model, as docs/bench/families_gpu.sh builds it
     Qwen3_5MoeTextConfig(**{**d.to_dict(), "num_hidden_layers": 4, "layer_types": d.layer_types[:4],
                             "tie_word_embeddings": False}).save_pretrained(tmp_path / "q35")
+    # only its architecture is read here (config.json alone: the full-size weights are never built), so the
+    # recipe's check that a model dir holds weights is switched off for this directory
+    monkeypatch.setattr("engine.config.weights_problem", lambda d: None)
     path = tmp_path / "q35_l4.yaml"
     path.write_text(yaml.safe_dump({"model": {"init_from": str(tmp_path / "q35")},
                                     "data": {"seq_len": 2048}}))

@@ -258,6 +258,20 @@ def test_a_model_dir_without_its_weights_is_refused_in_one_line(tmp_path, capfd,
                          "(model-00002-of-00002.safetensors): copy them in, or save the model again")
 
 
+def test_the_family_and_sizes_are_read_from_a_config_only_dir(tmp_path):
+    """GRPO's "auto" batch writes the model's config.json alone to a temporary dir and reads its sizes with
+    model_from_hf_dir: the weights check belongs to the recipe and --init_from, not there."""
+    from transformers import AutoConfig
+
+    from engine.config import ModelConfig, model_from_hf_dir
+
+    init = save_tiny("deepseek_v2", tmp_path / "hf")
+    AutoConfig.from_pretrained(init).save_pretrained(tmp_path / "config_only")
+    m = ModelConfig(init_from=str(tmp_path / "config_only"))
+    assert model_from_hf_dir(m) == []
+    assert (m.arch, m.hidden_size, m.num_experts) == ("deepseek_v2", 32, 4) != (ModelConfig().arch, 64, 8)
+
+
 def load_recipe_ok(tmp_path, init) -> bool:
     from engine.config import load_recipe
 
