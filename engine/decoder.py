@@ -168,9 +168,8 @@ def folded_moe_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     shape = hidden_states.shape
     _, top_k_weights, top_k_index = self.gate(hidden_states)
     x = hidden_states.view(-1, shape[-1])
-    owner = getattr(self.experts, "_route_owner", None)
-    if owner is not None:  # record_routes: what recording_experts_forward does for an unfolded block
-        owner._route_out[self.experts._route_slot].copy_(top_k_index)
+    if getattr(self.experts, "_route_owner", None) is not None:  # record_routes (the experts' forward is not called)
+        record_route(self.experts, top_k_index)
     T, E = x.shape[0], self.experts.num_experts
     route = x.new_zeros(T, E).scatter_(1, top_k_index, top_k_weights.to(x.dtype))  # (T, E)
     gate_up = F.linear(x, self._gate_up_all)  # (T, E*2F + 2S)
@@ -693,8 +692,13 @@ def recording_experts_forward(self, hidden_states: torch.Tensor, top_k_index: to
                               top_k_weights: torch.Tensor) -> torch.Tensor:
     """An experts module's forward that first writes its (tokens, k) expert ids into the decoder's buffer (an
     in-place copy into a static tensor: captured in the CUDA graph like the KV cache's writes)."""
-    self._route_owner._route_out[self._route_slot].copy_(top_k_index)
+    record_route(self, top_k_index)
     return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+def record_route(experts: torch.nn.Module, top_k_index: torch.Tensor) -> None:
+    """Write an experts module's (tokens, k) expert ids into its decoder's route buffer (its slot)."""
+    experts._route_owner._route_out[experts._route_slot].copy_(top_k_index)
 
 
 def draw(logits: torch.Tensor, no_eos: torch.Tensor | None, temperature: float,

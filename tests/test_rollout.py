@@ -178,8 +178,8 @@ def test_shared_experts_folded_into_the_dense_experts_gemms_decode_as_generate(a
         start, end = m._gate_up_all.data_ptr(), m._gate_up_all.data_ptr() + m._gate_up_all.nbytes
         for w in (m.experts.gate_up_proj, m.shared_experts.gate_proj.weight, m.shared_experts.up_proj.weight):
             assert start <= w.data_ptr() < end
-        assert m.shared_experts.down_proj.weight.data_ptr() == m._down_all[:, -1:].data_ptr() - (
-            m.shared_experts.down_proj.weight.shape[1] - 1) * m._down_all.element_size()
+        S = m.shared_experts.down_proj.weight.shape[1]
+        assert m.shared_experts.down_proj.weight.data_ptr() == m._down_all[:, -S:].data_ptr()
     plain = Decoder(model, "cpu", batch_size=4, cache_len=32, decode_experts="dense", record_routes=True,
                     fold_shared=False)
     assert not any(hasattr(m, "_gate_up_all") for m in plain.model.modules())

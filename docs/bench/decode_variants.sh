@@ -2,14 +2,14 @@
 # The rollout decoder alone (bin/decode_bench.py: the recipe's model, batch 64 x 256 new tokens forced as GRPO's
 # grpo.min_new_tokens does, recording expert choices) in several variants, one device call, one H200:
 #   bash docs/bench/decode_variants.sh      (on the GPU machine, from the checkout, .whl/ carried)
-# VARIANTS: space-separated label=args pairs, args with commas for spaces (default: the shared experts unfolded,
-# folded (the default), folded with max-autotune). PROFILE=label profiles that variant's last call. T_DECODE: s per run.
+# VARIANTS: space-separated label=args pairs, args with commas for spaces (default: the shared experts unfolded and
+# folded, the default; e.g. autotune=--compile_mode,max-autotune adds a variant, whose compile took over 130 s). PROFILE=label profiles that variant's last call. T_DECODE: s per run.
 # Files: $OUT/decode_variants.jsonl (the rows, with a "variant" key), $OUT/decode_variants.txt (all output).
 set -u
 OUT=${OUT:-/tmp/decode_variants}; mkdir -p "$OUT"
 . docs/bench/gpu_env.sh deepspeed
 RECIPE=${RECIPE:-engine/recipes/grpo_2b6.yaml}
-for v in ${VARIANTS:-unfolded=--no_fold_shared folded= autotune=--compile_mode,max-autotune}; do
+for v in ${VARIANTS:-unfolded=--no_fold_shared folded=}; do
   label=${v%%=*}; args=${v#*=}; args=${args//,/ }
   [ "${PROFILE:-}" = "$label" ] && args="$args --profile"
   timeout "${T_DECODE:-150}" python3 bin/decode_bench.py --config "$RECIPE" --batch 64 --new_tokens 256 --calls 3 \

@@ -89,7 +89,8 @@ d = json.load(open('ds_configs/zero3_grpo.json'))
 m, a = d['train_micro_batch_size_per_gpu'], d['gradient_accumulation_steps']
 print(r['grpo']['max_new_tokens'], r['train']['lr'], r['grpo'].get('group_size', 8), r['data']['path'],
       ${TRL_MICRO:-16} if m == 'auto' else m, ${TRL_GA:-4} if a == 'auto' else a)")
-  if [ "${REUSE_INIT:-0}" = 1 ] && [ -f "$INIT/config.json" ] && [ -f "$INIT/model.safetensors" ]; then
+  if [ "${REUSE_INIT:-0}" = 1 ] && [ -f "$INIT/config.json" ] \
+      && { [ -f "$INIT/model.safetensors" ] || [ -f "$INIT/model.safetensors.index.json" ]; }; then
     echo "init: reusing $INIT"
   else
     t=$SECONDS lim=$(cut_to 180 120)
