@@ -18,10 +18,12 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from . import checkpoint, curriculum
 from .config import ConfigError, GRPOConfig, Recipe, hf_weights_problems, load_recipe, model_from_hf_dir
 from .data import load_tokenizer
+from .devprof import idle_report
 from .auto_batch import SEQUENCES_PER_STEP, GRPOAutoBatch, host_memory_problem
 from .ds_config import BATCH_KEYS, read_ds_config, resolve_ds_config, whole_model_on_one_gpu, zero_stage
 from .grpo_math import GRPOLossConfig, group_advantages, keep_mask, kl_k3, policy_loss
@@ -742,23 +744,30 @@ class Timer:
         return out
 
 
+PHASES = ("grpo.rollout", "grpo.ref", "grpo.old", "grpo.policy")  # grpo_step's profiler annotations
+
+
 def grpo_step(run: Run, rows: list[dict], sampling: SamplingConfig, step: int) -> dict:
     """One GRPO step on this rank's prompts: rollouts -> rewards -> advantages -> reference (and old) log-probs
     -> optimizer step(s). Returns the metrics row."""
     t0 = time.time()
-    r = generate_rollouts(run, rows, sampling)
-    scores, reward, adv = score(run, rows, r, step)
+    with record_function("grpo.rollout"):
+        r = generate_rollouts(run, rows, sampling)
+        scores, reward, adv = score(run, rows, r, step)
     run.last_reward = reward
     timer = Timer()
     count = response_tokens(r)
     if count == 0:  # dynamic sampling dropped every group on every rank: the loss would be 0/0, the update NaN
         skip_update(run)
         return metrics_row(run, r, scores, reward, {}, timer.phases(), 0, step, time.time() - t0, skipped=True)
-    refl = batched_logps(run.ref, r, run.micro, run.g.temperature) if run.ref is not None else None
+    with record_function("grpo.ref"):
+        refl = batched_logps(run.ref, r, run.micro, run.g.temperature) if run.ref is not None else None
     timer.lap("ref_s")
-    old = old_logps(run, r)
+    with record_function("grpo.old"):
+        old = old_logps(run, r)
     timer.lap("old_s")
-    stats, mismatch = policy_update(run, r, adv, old, refl, count)
+    with record_function("grpo.policy"):
+        stats, mismatch = policy_update(run, r, adv, old, refl, count)
     timer.lap("policy_s")
     forwards = run.g.iterations + (old is not None) + (run.ref is not None)
     return {**metrics_row(run, r, scores, reward, stats, timer.phases(), forwards, step, time.time() - t0), **mismatch}
@@ -891,8 +900,9 @@ def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | No
 
 @contextlib.contextmanager
 def profiled(on: bool, path: Path, rank: int):
-    """torch.profiler around the block when `on`; rank 0 writes the operators with the most device time and the
-    most host time (ZeRO-3's hooks are host time) to `path`."""
+    """torch.profiler around the block when `on`; rank 0 writes to `path` the operators with the most device time and
+    the most host time (ZeRO-3's hooks are host time) and, on a GPU, the device's idle time per phase of grpo_step and
+    the host operators it waited for (engine/devprof.py)."""
     if not on:
         yield
         return
@@ -905,6 +915,8 @@ def profiled(on: bool, path: Path, rank: int):
         avg = prof.key_averages()
         tables = [f"== by {key}\n" + avg.table(sort_by=key, row_limit=40, max_name_column_width=70)
                   for key in (["self_cuda_time_total"] if cuda else []) + ["cpu_time_total"]]
+        if cuda:  # where the device waited for the host, per phase and by host operator (engine/devprof.py)
+            tables.insert(0, idle_report(prof.events(), PHASES))
         path.write_text("\n".join(tables))
         print0(f"profile of this step: {path}")
 

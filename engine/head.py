@@ -68,15 +68,47 @@ def _loss_and_grad(logits: torch.Tensor, t: torch.Tensor, valid: torch.Tensor, d
     return loss, g.to(dtype)
 
 
+def _logp_stats(logits: torch.Tensor, t: torch.Tensor, temperature: float, with_entropy: bool):
+    """A chunk's (log p(target), logsumexp, entropy or (0,)) under softmax(logits / temperature): logits (n, V) fp32
+    (not changed), t (n,). On CUDA compiled into one or two passes over the logits; eager elsewhere."""
+    if temperature != 1.0:
+        logits = logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, t[:, None]).squeeze(-1) - lse
+    ent = lse - (torch.softmax(logits, -1) * logits).sum(-1) if with_entropy else lse.new_empty(0)
+    return logp, lse, ent
+
+
+def _logp_grad(logits: torch.Tensor, lse: torch.Tensor, t: torch.Tensor, g: torch.Tensor, temperature: float,
+               dtype: torch.dtype) -> torch.Tensor:
+    """The logits' gradient of sum(g * log p(target)): g * (one_hot - softmax(logits / T)) / T, in `dtype`; logits
+    (n, V) fp32 as the forward had them (before / T), lse (n,) from _logp_stats. One pass on CUDA (compiled)."""
+    p = torch.exp(logits / temperature - lse[:, None]) if temperature != 1.0 else torch.exp(logits - lse[:, None])
+    hit = torch.arange(logits.shape[1], device=logits.device)[None, :] == t[:, None]
+    d = (hit.to(logits.dtype) - p) * g[:, None]
+    return (d / temperature if temperature != 1.0 else d).to(dtype)
+
+
 _compiled = {}
 
 
-def _loss_and_grad_fn(device: torch.device):
+def _on(device: torch.device, name: str, fn, dynamic: bool | None):
+    """fn compiled once per process on CUDA (the chunk loops call it per chunk); eager elsewhere."""
     if device.type != "cuda":
-        return _loss_and_grad
-    if "fn" not in _compiled:
-        _compiled["fn"] = torch.compile(_loss_and_grad, dynamic=False)
-    return _compiled["fn"]
+        return fn
+    if name not in _compiled:
+        _compiled[name] = torch.compile(fn, dynamic=dynamic)
+    return _compiled[name]
+
+
+def _loss_and_grad_fn(device: torch.device):
+    return _on(device, "loss_and_grad", _loss_and_grad, dynamic=False)  # pretraining: a fixed number of tokens
+
+
+def _logp_fns(device: torch.device):
+    """GRPO's micro-batches change their token count step to step: traced for any count (dynamic) once the second
+    count is seen, instead of once per count."""
+    return _on(device, "logp_stats", _logp_stats, None), _on(device, "logp_grad", _logp_grad, None)
 
 
 class _CrossEntropy(torch.autograd.Function):
@@ -128,14 +160,13 @@ class _TokenLogprobs(torch.autograd.Function):
         logp = torch.empty(N, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(N, dtype=torch.float32, device=hidden.device)
         ent = torch.empty(N if with_entropy else 0, dtype=torch.float32, device=hidden.device)
+        stats = _logp_fns(hidden.device)[0]
         for s in range(0, N, step):
             logits = _mm32(hidden[s:s + step], weight.t())  # (n, V) fp32
-            if temperature != 1.0:
-                logits /= temperature
-            lse[s:s + step] = torch.logsumexp(logits, dim=-1)
-            logp[s:s + step] = logits.gather(-1, targets[s:s + step, None]).squeeze(-1) - lse[s:s + step]
-            if with_entropy:  # H = lse - sum(p * logits)
-                ent[s:s + step] = lse[s:s + step] - (torch.softmax(logits, -1) * logits).sum(-1)
+            lp, ls, en = stats(logits, targets[s:s + step], temperature, with_entropy)
+            logp[s:s + step], lse[s:s + step] = lp, ls
+            if with_entropy:  # H = lse - sum(p * logits / T)
+                ent[s:s + step] = en
             del logits
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature = temperature
@@ -149,15 +180,11 @@ class _TokenLogprobs(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[:2]
         gh = torch.empty_like(hidden) if need_h else None
         gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad = _logp_fns(hidden.device)[1]
         for s in range(0, hidden.shape[0], step):
             h, t, g = hidden[s:s + step], targets[s:s + step], grad_logp[s:s + step]
             logits = _mm32(h, weight.t())
-            if T != 1.0:
-                logits /= T
-            # d logp / d logits = (one_hot - softmax) / T, times the incoming gradient per row; in place of the logits
-            d = logits.sub_(lse[s:s + step, None]).exp_().mul_(-g[:, None])
-            d[torch.arange(len(t), device=d.device), t] += g
-            d = (d / T if T != 1.0 else d).to(hidden.dtype)
+            d = grad(logits, lse[s:s + step], t, g, T, hidden.dtype)  # (one_hot - softmax) / T times each row's g
             if need_h:
                 gh[s:s + step] = d @ weight
             if need_w:

@@ -82,3 +82,25 @@ def test_an_installed_model_gives_transformers_loss_gradients_and_logprobs():
         full = torch.log_softmax(model(input_ids=ids).logits[:, :-1].float() / 0.7, -1)
     torch.testing.assert_close(out.logprobs, full.gather(-1, ids[:, 1:, None]).squeeze(-1), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(out.entropy, -(full.exp() * full).sum(-1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled chunk passes run on CUDA only")
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_compiled_token_logprobs_on_cuda_equal_the_plain_ones(temperature):
+    """On CUDA the chunk passes are compiled (dynamic in the token count): two token counts in a row, each against
+    the plain log-softmax, log-probs, entropies and both gradients."""
+    from engine.head import token_logprobs
+
+    for n in (N, N + 8):
+        g = torch.Generator().manual_seed(n)
+        h = torch.randn(n, H, generator=g).cuda().requires_grad_()
+        w = (0.3 * torch.randn(V, H, generator=g)).cuda().requires_grad_()
+        t = torch.randint(0, V, (n,), generator=g).cuda()
+        logp, ent = token_logprobs(h, w, t, temperature, with_entropy=True)
+        full = torch.log_softmax(F.linear(h, w).float() / temperature, -1)
+        want = full.gather(-1, t[:, None]).squeeze(-1)
+        torch.testing.assert_close(logp, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ent, -(full.exp() * full).sum(-1).detach(), atol=1e-4, rtol=1e-4)
+        upstream = torch.randn(n, generator=g).cuda()
+        for a, b in zip(grads((logp * upstream).sum(), h, w), grads((want * upstream).sum(), h, w)):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -24,6 +24,7 @@
 #   the batch's 64: GROUP_SIZE=4 MAX_NEW_TOKENS=1024 is the long-completion shape, 16 prompts x 4 x 1024)  INIT=/tmp/gvt_init (REUSE_INIT=1 keeps it)
 #   T_ENGINE=180 T_TRL=240 (per-run timeouts, s)  MASTER_PORT=29600  FREE_LENGTH=1  CONFIGS='zero3_grpo zero2_grpo'
 #   ENGINE_ARGS='--profile_step 4' (more bin/grpo.py arguments; profiles are copied to $OUT)
+#   GRPO_SCRIPT=bin/grpo.py (a wrapper that patches something for a diagnosis and runs bin/grpo.py; CONFIGS may name files)
 # CPU smoke test (here, tiny model; the same steps):
 #   OUT=/tmp/gvt RECIPE=engine/recipes/grpo_tiny.yaml MAX_NEW_TOKENS=8 STEPS=2 bash docs/bench/grpo_vs_trl.sh
 # Files back from the device ($OUT, 6 of the 8 allowed): grpo_vs_trl.jsonl, summary.txt, trl.jsonl,
@@ -110,7 +111,7 @@ print(r['grpo']['max_new_tokens'], r['train']['lr'], r['grpo'].get('group_size',
     if [ "$limit" -lt 60 ]; then echo "$label: skipped, $(left)s left"; return; fi
     rm -rf "/tmp/gvt_$label"
     PORT=$((PORT + 1))
-    timeout -k 15 "$limit" $DS --master_port "$PORT" --num_gpus 1 bin/grpo.py --deepspeed_config "$cfg" \
+    timeout -k 15 "$limit" $DS --master_port "$PORT" --num_gpus 1 "${GRPO_SCRIPT:-bin/grpo.py}" --deepspeed_config "$cfg" \
       --config /tmp/gvt_recipe.yaml --init_from "$INIT" --max_steps "$STEPS" --run_dir "/tmp/gvt_$label" \
       ${ENGINE_ARGS:-} > "$LOGS/$label.log" 2>&1
     echo "$label: exit $? in $((SECONDS - t))s (limit ${limit}s) $(grep -m1 -oE 'OutOfMemoryError|Error: .{0,120}' "$LOGS/$label.log")"
@@ -119,7 +120,9 @@ print(r['grpo']['max_new_tokens'], r['train']['lr'], r['grpo'].get('group_size',
     RUNS="$RUNS $label|engine|$cfg|$OUT/${label}_metrics.jsonl"
   }
   if [ "${SKIP_ENGINE:-0}" != 1 ]; then
-    for c in ${CONFIGS:-zero3_grpo zero2_grpo}; do [ -f "ds_configs/$c.json" ] && engine "ds_configs/$c.json"; done
+    for c in ${CONFIGS:-zero3_grpo zero2_grpo}; do  # a name in ds_configs/, or a file's path
+      if [ -f "ds_configs/$c.json" ]; then engine "ds_configs/$c.json"; elif [ -f "$c" ]; then engine "$c"; fi
+    done
   fi
 
   if [ "${SKIP_TRL:-0}" != 1 ]; then
