@@ -16,6 +16,11 @@ def _is_device(e) -> bool:
     return getattr(e.device_type, "name", str(e.device_type)) not in ("CPU",)
 
 
+def _is_kernel(e, phases: tuple[str, ...]) -> bool:
+    """A device event that is work (a kernel, copy or memset), not an annotation's span drawn on the device."""
+    return _is_device(e) and not getattr(e, "is_user_annotation", False) and e.name not in phases
+
+
 def _merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
     out: list[list[float]] = []
     for a, b in sorted(spans):
@@ -75,11 +80,13 @@ def idle_report(events, phases: tuple[str, ...] = (), min_gap_us: float = 20.0, 
                 kernel_rows: int = 15) -> str:
     """The device's busy and idle time per phase and the idle gaps by host operator chain (see the module's doc)."""
     events = list(events)
-    by_id, runtime = {}, {}  # host operators by correlation id; CUDA runtime calls (cudaLaunchKernel, ...) by theirs
+    # host operators by correlation id; the CUDA runtime and driver calls that launch work (cudaLaunchKernel,
+    # cuLaunchKernelEx for cuBLAS and Triton, cudaGraphLaunch, cudaMemcpyAsync) by theirs, which their work shares
+    by_id, runtime = {}, {}
     for e in events:
         if not _is_device(e):
-            (runtime if e.name.startswith("cuda") else by_id)[e.id] = e
-    kernels = sorted((e for e in events if _is_device(e)), key=lambda e: e.time_range.start)
+            (runtime if e.name.startswith("cu") else by_id)[e.id] = e
+    kernels = sorted((e for e in events if _is_kernel(e, phases)), key=lambda e: e.time_range.start)
     if not kernels:
         return "== device idle: no device events in this profile\n"
     host, phase = _Host(events), _Phases(events, phases)

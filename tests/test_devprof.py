@@ -35,9 +35,12 @@ def test_idle_gaps_are_charged_to_their_phase_and_host_operator():
 
 def test_a_kernel_without_a_linked_operator_takes_its_runtime_calls_phase():
     a = ev(1, "phase.a", 0, 100)
-    launch = ev(7, "cudaLaunchKernel", 10, 12)  # the runtime call has the kernel's own correlation id
+    launch = ev(7, "cuLaunchKernelEx", 10, 12)  # the driver call (cuBLAS, Triton) has the kernel's correlation id
     k = ev(7, "gemm", 20, 60, device=CUDA)
-    assert "phase.a" in idle_report([a, launch, k], ("phase.a",)).splitlines()[2]
+    drawn = ev(8, "phase.a", 20, 90, device=CUDA)  # the annotation's span on the device: no kernel
+    drawn.is_user_annotation = True
+    lines = idle_report([a, launch, k, drawn], ("phase.a",)).splitlines()
+    assert lines[2].split() == ["phase.a", "0.04", "0.04", "0.00", "1"]
 
 
 def test_no_device_events_says_so():
