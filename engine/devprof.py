@@ -2,9 +2,10 @@
 
 A host-bound phase (ZeRO's per-parameter hooks, a `.item()`, Python between kernel launches) shows in a profile's
 tables only as host time; whether the device waited for it does not. `idle_report` reads torch.profiler's events
-(`prof.events()`): the device's busy time per phase (the user annotations named by `phases`, e.g. "grpo.policy"),
-the kernels with the most device time in each phase, and each gap between device kernels longer than `min_gap_us`, charged to the host operator the launching thread was
-inside at the gap's middle (with its two enclosing operators), summed by that chain.
+(`prof.events()`): the device's busy time per phase (the user annotations named by `phases`, e.g. "grpo.policy";
+"-" for work launched outside them), the kernels with the most device time in each phase, and each gap between
+device kernels longer than `min_gap_us`, charged to the host operator the launching thread was inside at the gap's
+middle (with its two enclosing operators), summed by that chain.
 """
 from __future__ import annotations
 
@@ -95,7 +96,8 @@ def idle_report(events, phases: tuple[str, ...] = (), min_gap_us: float = 20.0, 
     per_phase = defaultdict(list)
     for k, src in zip(kernels, launcher):
         per_phase[phase.of(src)].append((k.time_range.start, k.time_range.end))
-    lines = ["== device busy by phase (kernels' union; span: first kernel's start to last kernel's end)",
+    lines = ["== device busy by phase (kernels' union; span: first kernel's start to last kernel's end; -: launched "
+             "outside the phases)",
              f"{'phase':<16}{'span ms':>10}{'busy ms':>10}{'idle ms':>10}{'kernels':>9}"]
     for name, spans in sorted(per_phase.items(), key=lambda kv: kv[1][0][0]):
         merged = _merge(spans)
