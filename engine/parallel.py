@@ -186,11 +186,38 @@ def build_engine(model: torch.nn.Module, ds_config: dict, train=None, lengths_va
     with autoep_size_one_is_intended(ds_config):
         engine, *_ = deepspeed.initialize(model=model, config=ds_config, lr_scheduler=schedule,
                                           model_parameters=model.parameters() if train is not None else None)
+    one_overflow_check(engine)
     if compiles_parameter_free(ds_config, train):
         done = compile_parameter_free(engine.module, lengths_vary)
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"compile: parameter-free functions only under ZeRO-3: {', '.join(done)}", flush=True)
     return engine
+
+
+def one_overflow_check(engine) -> bool:
+    """Drop the ZeRO-1/2 optimizer's per-tensor gradient overflow check where its global norm check does the same job.
+
+    DeepSpeed 0.19.8's `DeepSpeedZeroOptimizer.step` first checks every gradient tensor for inf/NaN (amax, amin,
+    isfinite, logical_and per tensor, then an all-reduce and a read on the host: `has_overflow`), then computes the
+    global gradient norm for clipping and treats a non-finite norm as an overflow too (`is_invalid_grad_norm`, unless a
+    bf16 config turned `check_grad_overflow` off). A non-finite gradient makes the norm non-finite on every rank (it is
+    summed over the ranks before DeepSpeed masks it to -1, which stays invalid), so the step is skipped either way, in
+    the same way (gradients zeroed, `_global_grad_norm` inf). On one H200 the per-tensor
+    check left the device idle for about 30 ms of a 1.33 s GRPO step (docs/benchmarks.md, 2026-12-04 night). Returns
+    whether it was dropped: not with offloaded optimizer states (their own overflow path), ZenFlow, no norm, or a bf16
+    config that turned the check off (then neither check runs, as DeepSpeed does)."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    opt = getattr(engine, "optimizer", None)
+    if (not isinstance(opt, DeepSpeedZeroOptimizer) or opt.cpu_offload or getattr(opt, "zenflow", False)
+            or not opt.compute_grad_norm or (opt.dtype == torch.bfloat16 and not opt.check_grad_overflow)):
+        return False
+
+    def check_overflow(self, partition_gradients=True):
+        self.overflow = False  # the global norm's check in step() catches a non-finite gradient
+
+    opt.check_overflow = check_overflow.__get__(opt)
+    return True
 
 
 AUTOEP_SIZE_ONE = "autoep_size=1 means every rank owns all experts with no AllToAll."

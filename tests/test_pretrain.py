@@ -475,3 +475,43 @@ def test_a_refusing_rank_whose_peers_never_come_says_its_own_line(tmp_path):
     assert [line for line in lines if line.startswith("error")] == [lines[-1]], p.stderr[-3000:]
     assert took < 60, took
     assert not (tmp_path / "run").exists()
+
+
+def test_zero2_skips_a_non_finite_step_without_the_per_tensor_overflow_check(tmp_path):
+    """engine.parallel.one_overflow_check drops DeepSpeed ZeRO-2's per-tensor inf/NaN check, leaving the global norm's
+    check: a finite step still updates, and a step whose gradients hold NaN or inf is skipped (weights unchanged, one
+    skipped step, the norm reported as inf) exactly as with DeepSpeed's own check put back."""
+    import math
+
+    import torch
+
+    from engine.data import load_tokenizer
+    from engine.parallel import init_distributed, world_from_env
+    from engine.pretrain import build
+
+    r = load_recipe(None, {"train.compile": False, "run_dir": str(tmp_path)})
+    ds = resolve_ds_config(read_ds_config(ROOT / "ds_configs" / "zero2.json"), r, world_size=1, ranks_per_node=1,
+                           auto_batch=AutoBatch())
+    init_distributed()
+    engine, data = build(r, ds, load_tokenizer(r.data.tokenizer), world_from_env())
+    opt = engine.optimizer
+    assert "check_overflow" in vars(opt)  # dropped on this engine (bf16, clipping, no offload)
+    ids = next(data.micro_batches(2, 0, 1))[1]
+    weights = lambda: [p.detach().float().clone() for p in engine.module.parameters()]  # noqa: E731
+
+    def step(scale: float) -> bool:
+        """One optimizer step on the batch's loss times `scale`; whether the weights changed."""
+        before, skipped = weights(), engine.skipped_steps
+        engine.backward(engine(input_ids=ids, labels=ids).loss * scale)
+        engine.step()
+        changed = any(not torch.equal(a, b) for a, b in zip(before, weights()))
+        assert engine.skipped_steps == skipped + (not changed)
+        return changed
+
+    assert step(1.0) and math.isfinite(engine.get_global_grad_norm())
+    for bad in (float("nan"), float("inf")):
+        assert not step(bad) and engine.get_global_grad_norm() == float("inf")
+    del opt.check_overflow  # DeepSpeed's own per-tensor check: the same outcome
+    assert "check_overflow" not in vars(opt)
+    assert not step(float("nan")) and engine.get_global_grad_norm() == float("inf")
+    assert step(1.0)
