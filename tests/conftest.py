@@ -123,10 +123,12 @@ TEST_OPS = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "m
 
 
 def env(**extra) -> dict:
-    """The environment of every process the tests start: the checkout on PYTHONPATH, one thread per process, and
+    """The environment of every process the tests start: the checkout first on PYTHONPATH (what was there stays
+    after it: packages installed with `pip install --target`, as on the GPU machine), one thread per process, and
     JIT-built ops compiled without debug info (CXX=NODEBUG_CXX around the real compiler) into TEST_OPS."""
     real_cxx = os.environ.get("MOE_TEST_CXX") or os.environ.get("CXX") or "c++"
-    e = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+    path = os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    e = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
              CXX=str(NODEBUG_CXX), MOE_TEST_CXX="c++" if real_cxx == str(NODEBUG_CXX) else real_cxx,
              TORCH_EXTENSIONS_DIR=str(TEST_OPS))
     e.update(extra)
