@@ -121,3 +121,29 @@ def test_export_reads_below_the_loops():
     for layout in ("engine.export.zero3", "engine.export.zero12", "engine.export.pipeline", "engine.export.plan",
                    "engine.export.read"):
         assert not graph[layout] & {"engine.export", "engine.export.write"}, (layout, graph[layout])
+
+
+def test_a_wheel_of_the_project_carries_the_whole_engine(tmp_path):
+    """`pip install .` (not only `pip install -e .`) gives a working engine: the wheel setup.py builds holds every
+    module under engine/, its subpackages, the bundled data and the recipes (find_packages needs engine/__init__.py;
+    without it the wheel held the bin/ scripts and no engine at all)."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    root = ENGINE.parent
+    src = tmp_path / "src"  # a copy: the build writes build/ and egg-info beside setup.py
+    src.mkdir()
+    for name in ("setup.py", "README.md"):
+        shutil.copy(root / name, src / name)
+    for name in ("engine", "bin"):
+        shutil.copytree(root / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    p = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation", "-q",
+                        "-w", str(tmp_path / "wheel")], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    names = set(zipfile.ZipFile(next((tmp_path / "wheel").glob("*.whl"))).namelist())
+    want = {f.relative_to(root).as_posix() for f in ENGINE.rglob("*")
+            if f.is_file() and "__pycache__" not in f.parts
+            and (f.suffix == ".py" or f.parent.name in ("recipes", "tokenizer") or f.parent.name == "assets")}
+    assert want and not want - names, sorted(want - names)[:10]
