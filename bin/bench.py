@@ -22,8 +22,8 @@ own MoE block (what HF Trainer + DeepSpeed gives). --micro_batch overrides train
 --set KEY=VALUE changes the recipe (e.g. train.activation_checkpointing=true), --ds_set KEY=VALUE the DS config
 (e.g. zero_optimization.stage=2); values are YAML. --label names the row. --profile N profiles N more steps
 with torch.profiler and prints the operators that take the most device time and the time's shares by kind (routed
-experts' GEMMs and FP8 casts, attention, dense GEMMs, optimizer, communication, the rest; also written to
-OUT.profile.txt).
+experts' GEMMs and FP8 casts, attention, dense GEMMs, optimizer, communication, the rest) and, on a GPU, the
+gaps where the device waited for the host by host operator (engine/devprof.py); also written to OUT.profile.txt.
 """
 import argparse
 import json
@@ -41,6 +41,7 @@ from engine.auto_batch import AutoBatch, device_memory_gib  # noqa: E402
 from engine.config import ConfigError, load_recipe  # noqa: E402
 from engine.ds_config import read_ds_config, resolve_ds_config  # noqa: E402
 from engine.data import load_tokenizer, to_device  # noqa: E402
+from engine.devprof import idle_report  # noqa: E402
 from engine.metrics import DeviceClock  # noqa: E402
 from engine.parallel import device_kind, init_distributed, world_from_env  # noqa: E402
 from engine import pipeline, pretrain  # noqa: E402
@@ -200,7 +201,8 @@ class PhaseTimer:
 
 def profile(train_step, steps: int, device: str, path: str, rank: int) -> None:
     """torch.profiler over `steps` training steps; rank 0 prints the top operators by device time, the time's shares
-    by kind (by operator, and on a GPU by kernel name too) and how busy the device was over the profiled wall time."""
+    by kind (by operator, and on a GPU by kernel name too), how busy the device was over the profiled wall time and
+    (GPU) the idle gaps between kernels by the host operator behind them (engine/devprof.py)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
@@ -219,6 +221,7 @@ def profile(train_step, steps: int, device: str, path: str, rank: int) -> None:
         table += "\n" + time_shares(events, device) + "\n"
         if device == "cuda":
             table += kernel_shares(events, wall) + "\n"
+            table += idle_report(prof.events()) + "\n"  # where the device waited, for which host operator
         Path(path).write_text(table)
         print(table)
 
