@@ -352,6 +352,16 @@ def tree_problems(g: "GRPOConfig") -> list[str]:
     return p
 
 
+def bundled(p):
+    """A relative path into the engine's bundled files (`engine/assets/...`, as the shipped recipes name their data
+    from the checkout's root) found from any working directory, also when the engine is installed (`pip install .`)
+    and the working directory holds no `engine/`. Any other path, or one that exists as given, is kept as given."""
+    if not isinstance(p, str) or not p.startswith("engine/") or Path(p).exists():
+        return p
+    found = ASSETS.parent.parent / p
+    return str(found) if found.exists() else p
+
+
 def load_recipe(path: str | Path | None = None, overrides: dict | None = None) -> Recipe:
     """Read a recipe YAML (default: the embedded tiny recipe), apply overrides, validate everything."""
     path = Path(path) if path else DEFAULT_RECIPE
@@ -368,6 +378,9 @@ def load_recipe(path: str | Path | None = None, overrides: dict | None = None) -
             target[key] = value
     problems: list[str] = []
     recipe = _fill(Recipe, raw, "", problems)
+    if isinstance(recipe.data, DataConfig) and isinstance(recipe.grpo, GRPOConfig):
+        recipe.data.path, recipe.data.tokenizer = bundled(recipe.data.path), bundled(recipe.data.tokenizer)
+        recipe.grpo.eval_path = bundled(recipe.grpo.eval_path)
     if recipe.model.init_from is not None:
         problems += model_from_hf_dir(recipe.model) or hf_weights_problems(recipe.model.init_from)
     problems += validate(recipe)

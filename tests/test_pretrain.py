@@ -3,6 +3,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -219,6 +220,21 @@ def test_compiled_model_leaves_only_autoep_eager_and_matches_eager(tmp_path):
     with torch.compiler.set_stance("force_eager"):
         eager = engine(input_ids=ids, labels=ids).loss.item()
     assert abs(compiled - eager) < 1e-2, (compiled, eager)
+
+
+def test_shipped_recipes_find_their_bundled_data_from_any_directory(tmp_path, monkeypatch):
+    """The shipped GRPO recipes name their prompts as `engine/assets/...` (from the checkout's root); from another
+    working directory, as with an installed engine (`pip install .`), they still load and point at the bundled files,
+    while a user's relative path stays relative to where the command runs."""
+    monkeypatch.chdir(tmp_path)
+    r = load_recipe(RECIPES / "grpo_tiny.yaml")
+    assert Path(r.data.path).is_file() and Path(r.grpo.eval_path).is_file()
+    assert Path(r.data.path) == ROOT / "engine" / "assets" / "arith_train.jsonl"
+    (tmp_path / "engine" / "assets").mkdir(parents=True)
+    (tmp_path / "engine" / "assets" / "arith_train.jsonl").write_text('{"prompt": "Q", "answer": "1"}\n')
+    assert load_recipe(RECIPES / "grpo_tiny.yaml").data.path == "engine/assets/arith_train.jsonl"  # exists here
+    with pytest.raises(ConfigError, match="grpo.eval_path engine/assets/nope.jsonl: no such file"):
+        load_recipe(RECIPES / "grpo_tiny.yaml", {"grpo.eval_path": "engine/assets/nope.jsonl"})
 
 
 def test_recipe_reports_every_problem_at_once(tmp_path):
@@ -452,6 +468,7 @@ def test_a_bf16_states_zero2_run_exports_its_own_weights(big_model_config_runs, 
 ALONE = """
 import sys
 import time
+from pathlib import Path
 import engine.pretrain as p
 p.FAIL_TOGETHER_S = 3
 sys.exit(p.main(sys.argv[1:]))
