@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, ZERO3, env, read_metrics, run_in_process, write_ds
+from conftest import ROOT, ZERO3, env, read_metrics, run_in_process, run_ranks, write_ds
 
 from engine.config import RECIPES, ConfigError, load_recipe
 from engine.auto_batch import AutoBatch
@@ -494,41 +494,16 @@ def test_a_refusing_rank_whose_peers_never_come_says_its_own_line(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_zero2_skips_a_non_finite_step_without_the_per_tensor_overflow_check(tmp_path):
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_zero2_skips_a_non_finite_step_without_the_per_tensor_overflow_check(tmp_path, ranks):
     """engine.parallel.one_overflow_check drops DeepSpeed ZeRO-2's per-tensor inf/NaN check, leaving the global norm's
-    check: a finite step still updates, and a step whose gradients hold NaN or inf is skipped (weights unchanged, one
-    skipped step, the norm reported as inf) exactly as with DeepSpeed's own check put back."""
-    import math
-
-    import torch
-
-    from engine.data import load_tokenizer
-    from engine.parallel import init_distributed, world_from_env
-    from engine.pretrain import build
-
-    r = load_recipe(None, {"train.compile": False, "run_dir": str(tmp_path)})
-    ds = resolve_ds_config(read_ds_config(ROOT / "ds_configs" / "zero2.json"), r, world_size=1, ranks_per_node=1,
-                           auto_batch=AutoBatch())
-    init_distributed()
-    engine, data = build(r, ds, load_tokenizer(r.data.tokenizer), world_from_env())
-    opt = engine.optimizer
-    assert "check_overflow" in vars(opt)  # dropped on this engine (bf16, clipping, no offload)
-    ids = next(data.micro_batches(2, 0, 1))[1]
-    weights = lambda: [p.detach().float().clone() for p in engine.module.parameters()]  # noqa: E731
-
-    def step(scale: float) -> bool:
-        """One optimizer step on the batch's loss times `scale`; whether the weights changed."""
-        before, skipped = weights(), engine.skipped_steps
-        engine.backward(engine(input_ids=ids, labels=ids).loss * scale)
-        engine.step()
-        changed = any(not torch.equal(a, b) for a, b in zip(before, weights()))
-        assert engine.skipped_steps == skipped + (not changed)
-        return changed
-
-    assert step(1.0) and math.isfinite(engine.get_global_grad_norm())
-    for bad in (float("nan"), float("inf")):
-        assert not step(bad) and engine.get_global_grad_norm() == float("inf")
-    del opt.check_overflow  # DeepSpeed's own per-tensor check: the same outcome
-    assert "check_overflow" not in vars(opt)
-    assert not step(float("nan")) and engine.get_global_grad_norm() == float("inf")
-    assert step(1.0)
+    check: a finite step still updates, and a step whose gradients hold NaN or inf (on one rank of two, too) is
+    skipped on every rank (weights unchanged, one more skipped step, the norm reported as inf), exactly as with
+    DeepSpeed's own check put back (tests/scripts/overflow_steps.py)."""
+    run_ranks(ranks, ROOT / "tests" / "scripts" / "overflow_steps.py", tmp_path / "out", cwd=tmp_path)
+    for rank in range(ranks):
+        got = json.loads((tmp_path / "out" / f"rank{rank}.json").read_text())
+        assert got["dropped"]  # bf16, clipping, no offload
+        steps = [(s["scale"], s["changed"], s["skipped_steps"], s["norm"] == "inf") for s in got["steps"]]
+        assert steps == [("1.0", True, 0, False), ("nan", False, 1, True), ("inf", False, 2, True),
+                         ("nan", False, 3, True), ("1.0", True, 3, False)], (rank, steps)
