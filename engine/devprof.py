@@ -93,9 +93,12 @@ def idle_report(events, phases: tuple[str, ...] = (), min_gap_us: float = 20.0, 
     host, phase = _Host(events), _Phases(events, phases)
     # the host operator that launched each kernel: linked by correlation id, else the runtime call of the same id
     launcher = [by_id.get(getattr(k, "linked_correlation_id", 0)) or runtime.get(k.id) for k in kernels]
-    per_phase = defaultdict(list)
-    for k, src in zip(kernels, launcher):
-        per_phase[phase.of(src)].append((k.time_range.start, k.time_range.end))
+    where = [phase.of(src) for src in launcher]  # each kernel's phase
+    per_phase, top = defaultdict(list), defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
+    for k, name in zip(kernels, where):
+        per_phase[name].append((k.time_range.start, k.time_range.end))
+        top[name][k.name[:90]][0] += k.time_range.end - k.time_range.start
+        top[name][k.name[:90]][1] += 1
     lines = ["== device busy by phase (kernels' union; span: first kernel's start to last kernel's end; -: launched "
              "outside the phases)",
              f"{'phase':<16}{'span ms':>10}{'busy ms':>10}{'idle ms':>10}{'kernels':>9}"]
@@ -106,12 +109,7 @@ def idle_report(events, phases: tuple[str, ...] = (), min_gap_us: float = 20.0, 
         lines.append(f"{name:<16}{span / 1e3:>10.2f}{busy / 1e3:>10.2f}{(span - busy) / 1e3:>10.2f}{len(spans):>9}")
     lines += ["", "== top kernels by device time, per phase", f"{'ms':>9}{'calls':>8}  phase: kernel"]
     for name in sorted(per_phase, key=lambda n: per_phase[n][0][0]):
-        top = defaultdict(lambda: [0.0, 0])
-        for k, src in zip(kernels, launcher):
-            if phase.of(src) == name:
-                top[k.name[:90]][0] += k.time_range.end - k.time_range.start
-                top[k.name[:90]][1] += 1
-        for kname, (t, n) in sorted(top.items(), key=lambda kv: -kv[1][0])[:kernel_rows]:
+        for kname, (t, n) in sorted(top[name].items(), key=lambda kv: -kv[1][0])[:kernel_rows]:
             lines.append(f"{t / 1e3:>9.2f}{n:>8}  {name}: {kname}")
     merged = _merge([(k.time_range.start, k.time_range.end) for k in kernels])
     gaps = defaultdict(lambda: [0.0, 0])
@@ -120,10 +118,10 @@ def idle_report(events, phases: tuple[str, ...] = (), min_gap_us: float = 20.0, 
     for (_, end), (start, _) in zip(merged, merged[1:]):
         if start - end < min_gap_us:
             continue
-        src = launcher[bisect.bisect_left(kstarts, start)]  # launched the kernel the device waited for
-        thread = src.thread if src is not None else None
-        inner = host.at(thread, (start + end) / 2) if thread is not None else None
-        key = f"{phase.of(src)}: {_chain(inner)}"
+        i = bisect.bisect_left(kstarts, start)  # the kernel the device waited for
+        src = launcher[i]
+        inner = host.at(src.thread, (start + end) / 2) if src is not None else None
+        key = f"{where[i]}: {_chain(inner)}"
         gaps[key][0] += start - end
         gaps[key][1] += 1
         total += start - end
