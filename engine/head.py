@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers.utils import ModelOutput
 
 CHUNK_ELEMENTS = 2**28  # logits per chunk: 1 GiB in fp32; 2,076 tokens at a vocabulary of 129,280
 
@@ -220,7 +221,11 @@ def head_forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None
 
 
 @dataclass
-class HeadOutput:
+class HeadOutput(ModelOutput):
+    """What the chunked forward returns. A transformers ModelOutput (a dict as well), so that ZeRO-3 finds the tensors
+    in it and hooks them like any model output; as a plain object it warned on every ZeRO-3 run that its backward
+    hooks "may not get triggered properly"."""
+
     loss: torch.Tensor | None = None  # mean cross-entropy (labels)
     logprobs: torch.Tensor | None = None  # (B, T) log p(logprob_targets), fp32
     entropy: torch.Tensor | None = None  # (B, T), fp32, no gradient (with_entropy)
