@@ -63,8 +63,11 @@ def test_readme_main_job_as_documented(tmp_path):
     assert rows[-1]["step"] == 600
     assert rows[-1]["loss"] < 0.5 * rows[0]["loss"], [r["loss"] for r in rows]
     assert re.fullmatch(r"step_0*600", (tmp_path / "run" / "checkpoints" / "latest").read_text())
-    first, last = map(float, re.search(r"600 steps, loss ([\d.]+) at step 10 to ([\d.]+) at step 600", README).groups())
+    # the final loss as a range: the same commit ends 0.07 apart on two CPUs (their math kernels round differently)
+    first, low, high = map(float, re.search(r"600 steps, loss ([\d.]+) at step 10 to ([\d.]+)-([\d.]+) at step 600",
+                                            README).groups())
     print(f"\nloss {rows[0]['loss']:.2f} at step {rows[0]['step']}, {rows[-1]['loss']:.2f} at step 600 "
-          f"(README: {first} and {last})")
+          f"(README: {first} and {low}-{high})")
     assert rows[0]["step"] == 10
-    assert abs(rows[0]["loss"] - first) < 0.05 and abs(rows[-1]["loss"] - last) < 0.05, (rows[0], rows[-1], first, last)
+    assert abs(rows[0]["loss"] - first) < 0.05, (rows[0], first)
+    assert low - 0.05 < rows[-1]["loss"] < high + 0.05, (rows[-1], low, high)
