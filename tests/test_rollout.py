@@ -189,3 +189,40 @@ def test_shared_experts_folded_into_the_dense_experts_gemms_decode_as_generate(a
     assert torch.equal(folded.last_routes(3, a.shape[1]), plain.last_routes(3, b.shape[1]))
     assert folded.last_routes(3, a.shape[1]).any()
     check_decoder_follows_generate(model, folded, ids, mask)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the pinned flag and CUDA event: on a GPU only"))])
+@pytest.mark.parametrize("check_every", [1, 3])
+def test_a_late_stop_check_samples_the_same_tokens(check_every, device):
+    """On CUDA generate reads its all-rows-ended check one decode step late (`stop_late`: the device runs that step
+    meanwhile instead of idling). Against reading it at once: the same tokens, log-probs and random stream after
+    the call; one more decode step (its output unused) when the rows ended before max_new_tokens, none otherwise.
+    On CUDA the step is left uncompiled here (the flag's copy and event are what is checked)."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.config import ModelConfig
+    from engine.decoder import Decoder
+    from engine.model import make_hf_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(make_hf_config(ModelConfig())).eval().to(device)
+    dec = Decoder(model, device, batch_size=2, cache_len=40, compile=False)
+    assert dec.stop_late == (device == "cuda")
+    ids = torch.randint(1, 512, (1, 5), device=device)
+    mask = torch.ones(1, 5, dtype=torch.long, device=device)
+    rng = torch.cuda.get_rng_state if device == "cuda" else torch.get_rng_state
+
+    def run(late: bool, eos: int):
+        dec.stop_late = late
+        torch.manual_seed(1)
+        out = dec.generate(ids, mask, 12, eos, 0, temperature=1.0, check_every=check_every)
+        return out.cpu(), dec.last_logps.cpu(), dec.decode_steps, rng()
+
+    free = run(False, -1)[0][0, 5:]  # no EOS: 12 sampled tokens
+    eos = int(free[3])  # an EOS the row samples at step 3 (or earlier): it ends well before 12
+    for eos_id, extra in ((eos, 1), (-1, 0)):
+        now, late = run(False, eos_id), run(True, eos_id)
+        assert torch.equal(now[0], late[0]) and torch.equal(now[1], late[1]) and torch.equal(now[3], late[3])
+        assert late[2] == now[2] + extra, (late[2], now[2])
+        assert (now[0].shape[1] - 5 < 12) == (eos_id == eos)
