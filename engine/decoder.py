@@ -738,8 +738,13 @@ def draw(logits: torch.Tensor, no_eos: torch.Tensor | None, temperature: float,
     if temperature == 0:
         return sample(logits if no_eos is None else logits.index_fill(-1, no_eos, float("-inf")), 0, top_p), None
     scaled = logits / temperature  # once: the sample and its log-prob both read it
-    tok = sample(scaled if no_eos is None else scaled.index_fill(-1, no_eos, float("-inf")), 1.0, top_p, by_piece)
-    return tok, scaled.gather(-1, tok[:, None]).squeeze(-1) - split_logsumexp(scaled)
+    piece_lse = piece_logsumexp(scaled)  # (N, k): the log-prob's normaliser and, with no EOS mask, race_by_piece's
+    allowed = scaled if no_eos is None else scaled.index_fill(-1, no_eos, float("-inf"))
+    if by_piece and top_p >= 1.0:
+        tok = race_by_piece(allowed, piece_lse if no_eos is None else None)
+    else:
+        tok = sample(allowed, 1.0, top_p)
+    return tok, scaled.gather(-1, tok[:, None]).squeeze(-1) - piece_lse.logsumexp(dim=-1)
 
 
 def vocab_split(v: int) -> int:
@@ -749,10 +754,15 @@ def vocab_split(v: int) -> int:
     return max(d for d in range(1, 257) if v % d == 0 and v // d >= 512) if v >= 512 else 1
 
 
+def piece_logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """(N, V) -> (N, k): logsumexp over each of the vocab_split(V) pieces."""
+    n, v = x.shape
+    return torch.logsumexp(x.view(n, vocab_split(v), -1), dim=-1)
+
+
 def split_logsumexp(x: torch.Tensor) -> torch.Tensor:
     """(N, V) -> (N,) logsumexp over V, reduced per vocab_split piece and then across the pieces."""
-    n, v = x.shape
-    return torch.logsumexp(x.view(n, vocab_split(v), -1), dim=-1).logsumexp(dim=-1)
+    return piece_logsumexp(x).logsumexp(dim=-1)
 
 
 def race(logits: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
@@ -769,23 +779,23 @@ def race(logits: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tenso
     return (piece * (v // k) + where.gather(-1, piece)).squeeze(-1)
 
 
-def race_by_piece(logits: torch.Tensor) -> torch.Tensor:
+def race_by_piece(logits: torch.Tensor, piece_lse: torch.Tensor | None = None) -> torch.Tensor:
     """race's draw from softmax(logits) in two smaller races: a vocab_split piece from the pieces' logsumexps (the
-    probability of landing in each piece), then a token within that piece. P(piece) x P(token | piece) is softmax
-    itself, so the tokens follow the same distribution; the noise is k + V/k values per row instead of V (one H200,
-    64 x 129,280: the whole-vocabulary noise kernel took 80 us of a 2.9 ms decode step). The random stream differs
-    from race's."""
+    probability of landing in each piece; `piece_lse`, piece_logsumexp(logits), if already computed), then a token
+    within that piece. P(piece) x P(token | piece) is softmax itself, so the tokens follow the same distribution; the
+    noise is k + V/k values per row instead of V (one H200, 64 x 129,280: the whole-vocabulary noise kernel took
+    80 us of a 2.9 ms decode step). The random stream differs from race's."""
     n, v = logits.shape
     k = vocab_split(v)
     pieces = logits.view(n, k, v // k)
-    piece = race(torch.logsumexp(pieces, dim=-1))  # (N,)
+    piece = race(piece_logsumexp(logits) if piece_lse is None else piece_lse)  # (N,)
     within = pieces.gather(1, piece[:, None, None].expand(n, 1, v // k)).squeeze(1)  # (N, V/k)
     return piece * (v // k) + race(within)
 
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float, by_piece: bool = False) -> torch.Tensor:
+def sample(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """(N, V) float logits -> (N,) tokens: argmax when temperature == 0, else softmax(logits / T) restricted
-    to the top-p nucleus, drawn with the exponential race (race; race_by_piece when by_piece and no top-p)."""
+    to the top-p nucleus, drawn with the exponential race (race)."""
     if temperature == 0:
         return logits.argmax(-1)
     if temperature != 1.0:
@@ -796,6 +806,4 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, by_piece: boo
         drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    elif by_piece:
-        return race_by_piece(logits)
     return race(logits)

@@ -294,8 +294,8 @@ def test_sampling_by_piece_draws_the_softmax():
     """The compiled decoder's sampler (race_by_piece: a vocab_split piece by its logsumexp, then a token within it)
     draws from the same softmax as the whole-vocabulary race. 40,000 draws of a 2,048-token row (4 pieces of 512)
     whose mass sits on 10 tokens in all 4 pieces, at temperature 0.7: each frequency within 0.01 of its probability
-    (standard error at most 0.0025); the excluded EOS and the -inf tokens are never drawn; the log-probs are
-    log_softmax's."""
+    (standard error at most 0.0025), with the EOS excluded and without; excluded and -inf tokens are never drawn;
+    the log-probs are log_softmax's."""
     from engine.decoder import draw, vocab_split
 
     assert vocab_split(2048) == 4
@@ -304,16 +304,16 @@ def test_sampling_by_piece_draws_the_softmax():
     # piece 3 holds 5 likely tokens and the EOS: its weight is their sum, far above its largest token's
     where = torch.tensor([3, 600, 601, 1100, 1600, 1601, 1602, 1603, 1604, 2047])
     logits[where] = torch.tensor([1.0, 0.5, 0.5, 0.0, 0.3, 0.3, 2.0, 0.3, 0.3, -1.0])
-    eos = torch.tensor([1602])
-    p = (logits / 0.7).index_fill(0, eos, float("-inf")).softmax(-1)
-    counts = torch.zeros(2048)
-    for _ in range(10):
-        tok, logp = draw(logits.expand(4000, -1), eos, 0.7, 1.0, by_piece=True)
-        counts += torch.bincount(tok, minlength=2048).float()
-        want = torch.log_softmax(logits / 0.7, -1)[tok]
-        torch.testing.assert_close(logp, want, atol=1e-5, rtol=0)
-    assert counts.sum() == 40000 and counts[p == 0].sum() == 0
-    torch.testing.assert_close(counts / 40000, p, atol=0.01, rtol=0)
+    for eos in (torch.tensor([1602]), None):  # with EOS excluded, and without (the pieces' logsumexps shared)
+        p = (logits / 0.7 if eos is None else (logits / 0.7).index_fill(0, eos, float("-inf"))).softmax(-1)
+        counts = torch.zeros(2048)
+        for _ in range(10):
+            tok, logp = draw(logits.expand(4000, -1), eos, 0.7, 1.0, by_piece=True)
+            counts += torch.bincount(tok, minlength=2048).float()
+            want = torch.log_softmax(logits / 0.7, -1)[tok]
+            torch.testing.assert_close(logp, want, atol=1e-5, rtol=0)
+        assert counts.sum() == 40000 and counts[p == 0].sum() == 0
+        torch.testing.assert_close(counts / 40000, p, atol=0.01, rtol=0)
 
 
 def test_the_reference_is_a_copy_where_zero3_hooks_would_cost_and_numbers_allow():
