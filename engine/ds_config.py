@@ -18,6 +18,9 @@ The file goes to DeepSpeed as written. The only values the engine fills in are o
                                         -> on a single GPU rank without parameter offload 1e10, 1e10, 5e8
                                            (nothing gathered is released within a step); otherwise DeepSpeed's
                                            defaults (ZERO3_GATHER)
+  zero_optimization.leaf_module = "auto" -> ZeRO-3: every decoder layer is one leaf module (gathered,
+                                           released and reduced whole: resolve_leaf_modules); below ZeRO-3
+                                           dropped
 """
 from __future__ import annotations
 
@@ -89,6 +92,7 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, ranks_per_node
     p += resolve_expert_parallel(cfg, recipe, world_size, stages, ranks_per_node, device)
     p += resolve_compile(cfg, recipe)
     resolve_zero3_gather(cfg, world_size, device)
+    resolve_leaf_modules(cfg, recipe)
     p += resolve_batch_size(cfg, world_size, stages, recipe, device, auto_batch)
     p += stray_auto(cfg)
     if p:
@@ -114,6 +118,32 @@ def resolve_zero3_gather(cfg: dict, world_size: int, device: str = "cpu") -> Non
     for key, (one, default) in ZERO3_GATHER.items():
         if z.get(key) == "auto":
             z[key] = one if single else default
+
+
+def resolve_leaf_modules(cfg: dict, recipe: Recipe) -> None:
+    """zero_optimization.leaf_module "auto" (the shipped ZeRO-3 files): each decoder layer `model.layers.<i>` is a
+    ZeRO-3 leaf module, by name (parallel.check_leaf_modules checks that the model has them).
+
+    DeepSpeed's ZeRO-3 hooks every module by default: a gather before its forward and its backward and a release
+    after each, autograd functions on its inputs and outputs, a reduce hook per parameter. A DeepSeek layer has ~60
+    modules (each Linear and norm of its attention and shared experts, AutoEP's router and experts), so one GRPO step
+    of the 12-layer grpo_2b6 runs ~1,400 module hooks and a hook per parameter tensor, on the host; on one H200 the
+    ZeRO-3 policy pass waited on them (docs/benchmarks.md, 2026-12-04 late). A leaf is gathered whole before its
+    forward and its backward and released after them, and its gradients are reduced together when its backward
+    ends (DeepSpeed's `leaf_module`, made for MoE blocks): one decoder layer, the unit FSDP and torchtitan shard
+    by. On several ranks one layer's gathered parameters and not-yet-reduced gradients are what it can add to the
+    peak, against per-module hooks. Decoder layers take their hidden states positionally, which DeepSpeed's leaf
+    gradient hook needs (a full backward hook: an attention module, called with keyword arguments only and tried as
+    a leaf, had its gradients reduced before they existed). Below ZeRO-3 "auto" is dropped; anything else than "auto"
+    goes to DeepSpeed as written."""
+    z = cfg.get("zero_optimization")
+    if not isinstance(z, dict) or z.get("leaf_module") != "auto":
+        return
+    if z.get("stage") == 3:
+        z["leaf_module"] = {"names": [f"model.layers.{i}" for i in range(recipe.model.num_layers)],
+                            "classes": [], "name_suffixes": []}
+    else:
+        del z["leaf_module"]
 
 
 def resolve_optimizer(cfg: dict, recipe: Recipe, device: str = "cpu") -> list[str]:

@@ -183,6 +183,7 @@ def build_engine(model: torch.nn.Module, ds_config: dict, train=None, lengths_va
     if train is not None:
         mult = lr_multiplier(train)
         schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, mult)  # noqa: E731
+    check_leaf_modules(ds_config, model)
     with autoep_size_one_is_intended(ds_config):
         engine, *_ = deepspeed.initialize(model=model, config=ds_config, lr_scheduler=schedule,
                                           model_parameters=model.parameters() if train is not None else None)
@@ -192,6 +193,19 @@ def build_engine(model: torch.nn.Module, ds_config: dict, train=None, lengths_va
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"compile: parameter-free functions only under ZeRO-3: {', '.join(done)}", flush=True)
     return engine
+
+
+def check_leaf_modules(ds_config: dict, model: torch.nn.Module) -> None:
+    """zero_optimization.leaf_module's names must all be modules of the model: DeepSpeed only logs a warning for
+    a name it does not find and then hooks that module's children one by one (ds_config.resolve_leaf_modules)."""
+    leaf = (ds_config.get("zero_optimization") or {}).get("leaf_module")
+    names = leaf.get("names") if isinstance(leaf, dict) else None
+    if not names:
+        return
+    missing = sorted(set(names) - {name for name, _ in model.named_modules()})
+    if missing:
+        raise ValueError(f"zero_optimization.leaf_module.names: no module named {', '.join(missing[:3])} in this "
+                         f"{type(model).__name__} (its decoder layers are model.layers.<i>)")
 
 
 def one_overflow_check(engine) -> bool:

@@ -5,7 +5,9 @@ A proxy of grpo_2b6.yaml with its layer, head-group, expert and top-k counts and
 512, 8 new tokens; fp32, random init), one rank, zero3_grpo.json with the one-rank "auto" gather values a GPU gets
 (1e10, 1e10, 5e8) and a written 64 x 1 batch. bin/grpo.py runs under cProfile, one profile per step; printed per step:
 the policy pass (metrics.jsonl) and the calls and cumulative host seconds of the coordinator's functions.
-    python docs/bench/zero3_step2_cpu.py [--steps 5] [--out /tmp/zero3_step2]
+    python docs/bench/zero3_step2_cpu.py [--steps 5] [--out /tmp/zero3_step2] [--plain] [--ds FILE] [--zero JSON]
+--zero '{"leaf_module": null}' runs DeepSpeed's hook on every module instead of the file's decoder-layer leaves
+(engine/ds_config.py resolve_leaf_modules); --ds ds_configs/zero2_grpo.json the ZeRO-2 floor.
 """
 import argparse
 import cProfile
@@ -25,6 +27,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", default="/tmp/zero3_step2")
+    ap.add_argument("--zero", default="{}", help="JSON merged into zero_optimization; a null value drops the key "
+                    "(\'{\"leaf_module\": null}\': DeepSpeed's hooks on every module)")
+    ap.add_argument("--ds", default="ds_configs/zero3_grpo.json")
+    ap.add_argument("--plain", action="store_true", help="no cProfile (its own host cost grows with the hooks'): "
+                    "the passes' seconds only")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     r = yaml.safe_load(open(os.path.join(ROOT, "engine/recipes/grpo_2b6.yaml")))
@@ -36,9 +43,12 @@ def main() -> None:
     r["checkpoint"] = {"every_steps": 0, "every_minutes": 0, "at_end": False}
     r["run_dir"] = os.path.join(args.out, "run")
     yaml.safe_dump(r, open(os.path.join(args.out, "recipe.yaml"), "w"), sort_keys=False)
-    d = json.load(open(os.path.join(ROOT, "ds_configs/zero3_grpo.json")))
-    d["zero_optimization"].update(stage3_max_live_parameters=10**10, stage3_max_reuse_distance=10**10,
-                                  stage3_prefetch_bucket_size=5 * 10**8)
+    d = json.load(open(os.path.join(ROOT, args.ds)))
+    if d["zero_optimization"]["stage"] == 3:
+        d["zero_optimization"].update(stage3_max_live_parameters=10**10, stage3_max_reuse_distance=10**10,
+                                      stage3_prefetch_bucket_size=5 * 10**8)
+    d["zero_optimization"].update(json.loads(args.zero))
+    d["zero_optimization"] = {k: v for k, v in d["zero_optimization"].items() if v is not None}
     d.update(train_micro_batch_size_per_gpu=64, gradient_accumulation_steps=1, train_batch_size=64,
              bf16={"enabled": False})
     json.dump(d, open(os.path.join(args.out, "ds.json"), "w"), indent=1)
@@ -58,10 +68,16 @@ def main() -> None:
             p.disable()
             profiles.append(p)
 
-    g.grpo_step = profiled
+    if not args.plain:
+        g.grpo_step = profiled
     rc = g.main(["--deepspeed_config", os.path.join(args.out, "ds.json"), "--config",
                  os.path.join(args.out, "recipe.yaml"), "--run_dir", r["run_dir"]])
     rows = [x for x in map(json.loads, open(os.path.join(r["run_dir"], "metrics.jsonl"))) if "policy_s" in x]
+    if args.plain:
+        print("step  reference_s  policy_s")
+        for row in rows:
+            print(f"{row['step']:4d}  {row.get('ref_s', float('nan')):11.3f}  {row['policy_s']:8.3f}")
+        sys.exit(rc)
     print("step  policy_s  " + "  ".join(f"{w} (calls, host s)" for w in WATCH))
     for i, (p, row) in enumerate(zip(profiles, rows), 1):
         stats = pstats.Stats(p).stats

@@ -2,6 +2,7 @@
 (engine.pretrain.preflight/build/train), and records what the tests check:
   - peak RSS growth while building the model and swapping in AutoEP layers (--build_only: stop there)
   - per parameter: full size vs what this rank holds (ZeRO-3 partition / expert-parallel slice)
+  - the modules ZeRO-3 hooks (leaf modules: zero_optimization.leaf_module)
   - which global sequences this rank reads over one epoch (map-style) or which documents (streaming)
   - after training, the full gathered parameters (rank 0 writes them)
   - whether DeepSpeed loaded its CPU shared-memory all-reduce op, and this rank's /dev/shm buffer of it if any
@@ -83,6 +84,8 @@ def main() -> None:
         params[name] = {"full": full, "local": local, "shape": list(p.ds_shape if hasattr(p, "ds_shape") else p.shape),
                         "bytes_per_elem": p.element_size()}
     info["params"] = params
+    # The modules ZeRO-3 put its hooks on (DeepSpeed gives each an id): with leaf modules not those inside them.
+    info["hooked_modules"] = [n for n, m in engine.module.named_modules() if hasattr(m, "ds_id")]
 
     out.mkdir(parents=True, exist_ok=True)
     if "--build_only" in sys.argv:
