@@ -92,7 +92,7 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, ranks_per_node
     p += resolve_expert_parallel(cfg, recipe, world_size, stages, ranks_per_node, device)
     p += resolve_compile(cfg, recipe)
     resolve_zero3_gather(cfg, world_size, device)
-    resolve_leaf_modules(cfg, recipe)
+    p += resolve_leaf_modules(cfg, recipe)
     p += resolve_batch_size(cfg, world_size, stages, recipe, device, auto_batch)
     p += stray_auto(cfg)
     if p:
@@ -120,7 +120,7 @@ def resolve_zero3_gather(cfg: dict, world_size: int, device: str = "cpu") -> Non
             z[key] = one if single else default
 
 
-def resolve_leaf_modules(cfg: dict, recipe: Recipe) -> None:
+def resolve_leaf_modules(cfg: dict, recipe: Recipe) -> list[str]:
     """zero_optimization.leaf_module "auto" (the shipped ZeRO-3 files): each decoder layer `model.layers.<i>` is a
     ZeRO-3 leaf module, by name (parallel.check_leaf_modules checks that the model has them).
 
@@ -137,13 +137,19 @@ def resolve_leaf_modules(cfg: dict, recipe: Recipe) -> None:
     a leaf, had its gradients reduced before they existed). Below ZeRO-3 "auto" is dropped; anything else than "auto"
     goes to DeepSpeed as written."""
     z = cfg.get("zero_optimization")
-    if not isinstance(z, dict) or z.get("leaf_module") != "auto":
-        return
+    if not isinstance(z, dict) or "leaf_module" not in z:
+        return []
+    leaf = z["leaf_module"]
+    if leaf != "auto":
+        return [] if isinstance(leaf, dict) else [
+            f'zero_optimization.leaf_module ({leaf!r}) must be "auto" (each decoder layer one ZeRO-3 leaf) or an '
+            'object such as {"names": ["model.layers.0"]}; remove it for a hook on every module']
     if z.get("stage") == 3:
         z["leaf_module"] = {"names": [f"model.layers.{i}" for i in range(recipe.model.num_layers)],
                             "classes": [], "name_suffixes": []}
     else:
         del z["leaf_module"]
+    return []
 
 
 def resolve_optimizer(cfg: dict, recipe: Recipe, device: str = "cpu") -> list[str]:

@@ -91,6 +91,39 @@ def test_zero3_gather_settings_auto_keep_gathered_parameters_on_one_gpu_only(wor
     assert tuple(cfg["zero_optimization"][k] for k in ZERO3_GATHER) == expect
 
 
+@pytest.mark.parametrize("stage, written, expect", [
+    (3, "auto", {"names": [f"model.layers.{i}" for i in range(2)], "classes": [], "name_suffixes": []}),
+    (2, "auto", None),  # below ZeRO-3 there are no hooks to spare: the key is dropped
+    (3, {"classes": ["DeepseekV3MLP"]}, {"classes": ["DeepseekV3MLP"]}),  # written: as written
+    (3, "layers", ConfigError),
+])
+def test_leaf_module_auto_names_the_decoder_layers_under_zero3(stage, written, expect):
+    raw = read_ds_config(ZERO3)
+    assert raw["zero_optimization"]["leaf_module"] == "auto"  # as shipped
+    raw["zero_optimization"].update(stage=stage, leaf_module=written)
+    if expect is ConfigError:
+        with pytest.raises(ConfigError, match=r"zero_optimization.leaf_module \('layers'\) must be \"auto\" "):
+            resolve_ds_config(raw, load_recipe(None), world_size=1, ranks_per_node=1, auto_batch=AutoBatch())
+        return
+    cfg = resolve_ds_config(raw, load_recipe(None, {"model.num_layers": 2}), world_size=1, ranks_per_node=1,
+                            auto_batch=AutoBatch())
+    assert cfg["zero_optimization"].get("leaf_module") == expect
+
+
+def test_leaf_module_names_missing_from_the_model_are_refused():
+    """DeepSpeed only logs a warning for a leaf name it does not find, then hooks that module's insides one by one."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.model import make_hf_config
+    from engine.parallel import check_leaf_modules
+
+    model = AutoModelForCausalLM.from_config(make_hf_config(load_recipe(None, {"model.num_layers": 2}).model))
+    ok = {"zero_optimization": {"leaf_module": {"names": ["model.layers.0", "model.layers.1"]}}}
+    check_leaf_modules(ok, model)
+    with pytest.raises(ValueError, match=r"leaf_module.names: no module named model.layers.2 in this "):
+        check_leaf_modules({"zero_optimization": {"leaf_module": {"names": ["model.layers.2"]}}}, model)
+
+
 @pytest.mark.parametrize("ds, device, written, expect", [
     ("zero3.json", "cpu", None, True),  # CPU ranks: torch's AdamW, no FusedAdam build
     ("zero2.json", "cpu", None, True),
