@@ -44,6 +44,8 @@ def main(argv=None) -> int:
                     "token) instead of an EOS id that never occurs")
     ap.add_argument("--no_fold_shared", action="store_true",
                     help="keep DeepSeek's shared experts as their own GEMMs (dense experts fold them in by default)")
+    ap.add_argument("--decode_attention", help="grpo.decode_attention to use instead of the recipe's (triton: "
+                    "DeepSeek's latent attention as one kernel per layer, engine/mla_decode.py)")
     ap.add_argument("--compile_mode", default="reduce-overhead",
                     help="torch.compile mode of the decode step (max-autotune: also tunes its GEMMs; compiles longer)")
     ap.add_argument("--out")
@@ -72,7 +74,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     dec = Decoder(model, device, args.batch, cache_len, args.decode_experts or recipe.grpo.decode_experts,
                   compile=False if args.no_compile else None, record_routes=args.record_routes,
-                  fold_shared=not args.no_fold_shared, compile_mode=args.compile_mode)
+                  fold_shared=not args.no_fold_shared, compile_mode=args.compile_mode,
+                  attention=args.decode_attention or recipe.grpo.decode_attention)
     build_s = time.perf_counter() - t0
     rows = []
 
@@ -125,6 +128,7 @@ def main(argv=None) -> int:
                 f.write(json.dumps({"config": args.config, "decode_experts": dec.decode_experts, "batch": args.batch,
                                     "new_tokens": args.new_tokens, "record_routes": args.record_routes,
                                     "fold_shared": not args.no_fold_shared, "compile_mode": args.compile_mode,
+                                    "attention": dec.attention,
                                     "dtype": str(dtype).replace("torch.", ""), "cache_len": cache_len, **r}) + "\n")
     return 0
 

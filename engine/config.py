@@ -229,6 +229,10 @@ class GRPOConfig:
     batch 64: 2.81 ms per decode step against grouped_mm's 3.32, bin/decode_bench.py) | grouped_mm (each
     expert's weights read once per token step by a grouped GEMM) | batched_mm (copies every token's top-k expert
     weights) | eager."""
+    decode_attention: str = "auto"
+    """Attention of the rollout decoder's DeepSeek (MLA) layers at each decode step: auto (torch, until the Triton
+    kernel is measured on a GPU) | torch (the absorbed MLA's batched GEMMs and softmax) | triton (one kernel per layer:
+    scores, online softmax and the weighted sum of the latent cache, engine/mla_decode.py; CUDA only)."""
     eval_path: str | None = None
     """Held-out prompts (jsonl with prompt/answer), scored greedily at eval_every steps."""
     eval_every: int = 10
@@ -543,6 +547,8 @@ def validate(r: Recipe) -> list[str]:
         p.append(f"grpo.max_generated_tokens ({g.max_generated_tokens}) must be >= 1 (or null: stop at "
                  "train.max_steps only)")
     p += tree_problems(g)
+    if g.decode_attention not in ("auto", "torch", "triton"):
+        p.append(f"grpo.decode_attention: {g.decode_attention!r} is not one of auto, torch, triton")
     if g.decode_experts not in ("auto", "grouped_mm", "dense", "batched_mm", "eager"):
         p.append(f"grpo.decode_experts: {g.decode_experts!r} is not one of auto, grouped_mm, dense, batched_mm, eager")
     if g.rollout not in ("auto", "local", "engine"):

@@ -44,6 +44,26 @@ def resolve_decode_experts(kind: str, device) -> str:
     return "dense" if torch.device(device).type == "cuda" else "grouped_mm"
 
 
+def resolve_decode_attention(kind: str) -> str:
+    """`grpo.decode_attention: auto`: torch (the absorbed MLA's batched GEMMs) until the Triton kernel
+    (engine/mla_decode.py) has been measured against them on a GPU (docs/benchmarks.md, Not run yet)."""
+    return "torch" if kind == "auto" else kind
+
+
+def decode_attention_problem(hf_config, device) -> str | None:
+    """Why `grpo.decode_attention: triton` cannot run here, or None."""
+    from . import mla_decode
+
+    if torch.device(device).type != "cuda":
+        return "grpo.decode_attention: triton runs on CUDA devices only; use auto or torch"
+    if not mla_decode.available():
+        return "grpo.decode_attention: triton needs the triton package (it comes with torch's CUDA wheels)"
+    if getattr(hf_config, "kv_lora_rank", None) is None:
+        return (f"grpo.decode_attention: triton is DeepSeek's latent attention (MLA); this model "
+                f"({hf_config.model_type}) has none: use auto or torch")
+    return None
+
+
 def experts_for_decode(kind: str) -> str:
     """The transformers experts implementation to register and use for `grpo.decode_experts` = kind."""
     from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
@@ -366,6 +386,15 @@ def absorbed_mla_forward(self, hidden_states, position_embeddings, attention_mas
     w = self.kv_b_proj.weight.view(H, dn + dv, C)  # per head: W_UK (dn x C) above W_UV (dv x C)
     q_lat = torch.einsum("bhtd,hdc->bhtc", q_pass, w[:, :dn])  # (B, H, T, C)
     latent = kv_nope[:, 0]  # (B, L, C)
+    if T == 1 and getattr(self, "_mla_kernel", False):  # grpo.decode_attention triton: one kernel (engine/mla_decode.py)
+        from .mla_decode import mla_decode
+
+        mask = attention_mask[..., :L]
+        mask = mask.expand(B, *mask.shape[1:]).reshape(B, L) if mask.dim() > 2 else mask  # (B, 1, 1, L) -> (B, L)
+        out_lat = mla_decode(q_lat[:, :, 0].contiguous(), q_rot[:, :, 0].contiguous(), latent, k_rot[:, 0], mask,
+                             self.scaling).unsqueeze(2)  # (B, H, 1, C)
+        out = torch.einsum("bhtc,hvc->bthv", out_lat, w[:, dn:])
+        return self.o_proj(out.reshape(B, T, H * dv)), None
     scores = (torch.bmm(q_lat.reshape(B, H * T, C), latent.transpose(1, 2))
               + torch.bmm(q_rot.reshape(B, H * T, dr), k_rot[:, 0].transpose(1, 2))).view(B, H, T, L) * self.scaling
     if attention_mask.dtype == torch.bool:
@@ -406,10 +435,11 @@ class Decoder:
 
     def __init__(self, module: torch.nn.Module, device, batch_size: int, cache_len: int,
                  decode_experts: str = "auto", compile: bool | None = None, record_routes: bool = False,
-                 fold_shared: bool = True, compile_mode: str = "reduce-overhead"):
+                 fold_shared: bool = True, compile_mode: str = "reduce-overhead", attention: str = "auto"):
         from transformers import StaticCache
 
         decode_experts = resolve_decode_experts(decode_experts, device)
+        attention = resolve_decode_attention(attention)
 
         model = empty_copy(module, device, decode_experts)
         if model.config._attn_implementation == "flex_attention":
@@ -418,9 +448,16 @@ class Decoder:
             model.set_attn_implementation("sdpa")
         fused = fuse_for_decode(model, dense_experts=decode_experts == "dense", fold_shared=fold_shared)
         config = model.config
-        for m in model.modules():
-            if hasattr(m, "kv_b_proj"):  # DeepSeek's MLA: attend in the latent space (absorbed_mla_forward)
-                m.forward = types.MethodType(absorbed_mla_forward, m)
+        mla = [m for m in model.modules() if hasattr(m, "kv_b_proj")]
+        for m in mla:  # DeepSeek's MLA: attend in the latent space (absorbed_mla_forward)
+            m.forward = types.MethodType(absorbed_mla_forward, m)
+        if attention == "triton":
+            problem = decode_attention_problem(config, device)
+            if problem:
+                raise ValueError(problem)
+            for m in mla:
+                m._mla_kernel = True
+        self.attention = attention
         if config.model_type == "deepseek_v2":  # its rotary as cos/sin (no complex tensors in the compiled step)
             model.model.rotary_emb.forward = types.MethodType(deepseek_v2_cos_sin, model.model.rotary_emb)
         self.model, self.device, self.decode_experts = model, torch.device(device), decode_experts

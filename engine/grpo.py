@@ -302,6 +302,11 @@ def preflight(args, world: World):
                             "with, or start a new run_dir")
     found = host_memory_problem(ds, recipe, world.size, min(world.local_size, world.size)) if ds else None
     problems += [f"{where}: {found}"] if found else []
+    if g.decode_attention == "triton" and g.rollout != "engine":
+        from .decoder import decode_attention_problem
+
+        found = decode_attention_problem(hf_config, "cuda" if device_kind() == "cuda" else "cpu")
+        problems += [found] if found else []
     if problems:
         raise ConfigError("; ".join(problems))
     if g.rollout != "engine" and device_kind() == "cuda":
@@ -824,7 +829,7 @@ def setup(recipe: Recipe, ds: dict, tok, rewards, prompts, evals, world: World) 
     # the decoder keeps its expert choices: for replay and the routing agreement metric
     record = rollout_kind(recipe) == "local" and has_moe(policy.module.config)
     rollout = build_rollout(rollout_kind(recipe), policy, tok, n_seq, cache_len, g.decode_experts, g.min_new_tokens,
-                            record_routes=record)
+                            record_routes=record, decode_attention=g.decode_attention)
     router = Router(policy.module) if record else None
     return Run(policy, ref, rollout, tok, rewards, g, loss_config(g), world, micro, n_seq, router=router)
 

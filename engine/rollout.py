@@ -32,11 +32,12 @@ class DecoderRollout(RolloutEngine):
     name = "local"
 
     def __init__(self, engine, tokenizer, batch_size: int, cache_len: int, decode_experts: str = "auto",
-                 min_new_tokens: int = 0, record_routes: bool = False):
+                 min_new_tokens: int = 0, record_routes: bool = False, decode_attention: str = "auto"):
         self.engine, self.tokenizer, self.decoder = engine, tokenizer, None
         self.record_routes = record_routes  # keep each token's expert ids (engine/routing.py): last_routes
         self.min_new_tokens = min_new_tokens  # grpo.min_new_tokens: EOS masked before it when sampling (not greedy eval)
         self.batch_size, self.cache_len, self.decode_experts = batch_size, cache_len, decode_experts
+        self.decode_attention = decode_attention
         self.decode_steps, self.decode_s = 0, 0.0  # over the last generate call
         self.last_logps = None  # the last generate call's sampled-token log-probs (Decoder.generate)
         self.last_routes = None  # record_routes: (N, T, L, k) expert ids of the last rollout's tokens, beside its ids
@@ -44,7 +45,8 @@ class DecoderRollout(RolloutEngine):
     def sync_weights(self, step: int) -> None:  # noqa: ARG002
         if self.decoder is None:
             self.decoder = Decoder(self.engine.module, self.engine.device, self.batch_size, self.cache_len,
-                                   self.decode_experts, record_routes=self.record_routes)
+                                   self.decode_experts, record_routes=self.record_routes,
+                                   attention=self.decode_attention)
         else:
             self.decoder.refresh(self.engine.module)
 
@@ -92,7 +94,9 @@ def response_attention(out: torch.Tensor, prompt_attn: torch.Tensor, prompt_len:
 
 
 def build_rollout(kind: str, engine, tokenizer, batch_size: int, cache_len: int,
-                  decode_experts: str = "auto", min_new_tokens: int = 0, record_routes: bool = False) -> RolloutEngine:
+                  decode_experts: str = "auto", min_new_tokens: int = 0, record_routes: bool = False,
+                  decode_attention: str = "auto") -> RolloutEngine:
     if kind == "local":
-        return DecoderRollout(engine, tokenizer, batch_size, cache_len, decode_experts, min_new_tokens, record_routes)
+        return DecoderRollout(engine, tokenizer, batch_size, cache_len, decode_experts, min_new_tokens, record_routes,
+                              decode_attention)
     return HybridEngineRollout(engine, tokenizer)
