@@ -120,7 +120,10 @@ class TrainConfig:
     allows it (ZeRO stage 1-2 with AutoEP, no offload, no pipeline; +21% tokens/s on one H200, docs/benchmarks.md);
     under ZeRO-3 on CUDA only the layers' parameter-free functions (RMSNorm's arithmetic, silu(gate) * up, rotary:
     engine/model.py compile_parameter_free; +12% on one H200), DeepSpeed's hooks staying eager; off otherwise.
-    true: always (refused where DeepSpeed cannot do it). false: never."""
+    true: always (refused where it cannot be done); under ZeRO-3 with decoder-layer leaves (zero_optimization.leaf_module
+    "auto", as shipped) pretraining compiles each decoder layer's forward itself, AutoEP eager, DeepSpeed's hooks
+    around the layer (engine/pretrain.py compile_zero3_layers; not yet measured on a GPU, so auto does not take it;
+    GRPO keeps the parameter-free functions). false: never."""
 
 
 @dataclass

@@ -90,9 +90,9 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, ranks_per_node
         p += found
     p += resolve_optimizer(cfg, recipe, device)
     p += resolve_expert_parallel(cfg, recipe, world_size, stages, ranks_per_node, device)
-    p += resolve_compile(cfg, recipe)
     resolve_zero3_gather(cfg, world_size, device)
     p += resolve_leaf_modules(cfg, recipe)
+    p += resolve_compile(cfg, recipe)
     p += resolve_batch_size(cfg, world_size, stages, recipe, device, auto_batch)
     p += stray_auto(cfg)
     if p:
@@ -222,13 +222,29 @@ def resolve_expert_parallel(cfg: dict, recipe: Recipe, world_size: int, stages: 
 
 
 def resolve_compile(cfg: dict, recipe: Recipe) -> list[str]:
-    """train.compile against what DeepSpeed can compile; compiles around the AutoEP blocks unless told not to."""
+    """train.compile against what DeepSpeed can compile; compiles around the AutoEP blocks unless told not to.
+    Under ZeRO-3 with decoder-layer leaves, train.compile: true compiles the layers in the engine instead
+    (zero3_compiles_layers). Runs after resolve_leaf_modules."""
     why_not = compile_blocker(cfg)
     if recipe.train.compile is not False and not why_not:
         cfg.setdefault("compile", {}).setdefault("autoep_non_moe", True)
-    if recipe.train.compile is True and why_not:
-        return [f"train.compile: true needs {why_not}; use ds_configs/zero2.json or set train.compile to auto"]
+    if recipe.train.compile is True and why_not and not zero3_compiles_layers(cfg):
+        return [f"train.compile: true needs {why_not}, or ZeRO-3 with zero_optimization.leaf_module \"auto\" "
+                "(each decoder layer a leaf, as the shipped ZeRO-3 files say); use ds_configs/zero2.json or "
+                "zero3.json, or set train.compile to auto"]
     return []
+
+
+def zero3_compiles_layers(cfg: dict) -> bool:
+    """ZeRO-3 whose leaf modules are the decoder layers (leaf_module "auto", resolved): no hook of DeepSpeed's sits
+    inside a layer, so each layer's forward can be compiled as under ZeRO-1/2 (engine/pretrain.py
+    compile_zero3_layers), the hooks running around it. Not with a pipeline section or parameter offload."""
+    z = cfg.get("zero_optimization") or {}
+    leaf = z.get("leaf_module")
+    names = leaf.get("names") if isinstance(leaf, dict) else None
+    offload = (z.get("offload_param") or {}).get("device", "none") not in ("none", None)
+    return (zero_stage(cfg) == 3 and "pipeline" not in cfg and not offload and bool(names)
+            and all(n.startswith("model.layers.") for n in names))
 
 
 BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")

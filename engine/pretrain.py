@@ -20,7 +20,7 @@ from .balance import ExpertBalance
 from .config import ConfigError, Recipe, load_recipe
 from .data import ReadAhead, build_data, load_tokenizer, to_device
 from .data_check import check_corpus
-from .ds_config import compile_blocker, read_ds_config, resolve_ds_config, zero_stage
+from .ds_config import compile_blocker, read_ds_config, resolve_ds_config, zero3_compiles_layers, zero_stage
 from .metrics import Metrics, print0
 from .watchdog import PeerTimeoutError, peer_timeout
 from .model import build_model
@@ -181,8 +181,11 @@ def build(recipe: Recipe, ds: dict, tok, world: World):
         print0(f"fp8: {len(names)} linear layers{what} in FP8 ({'FP8 GEMMs' if can_run_fp8(kind) else 'emulated'}); "
                f"{rest} in the model's dtype")
     if wants_compile(recipe, ds):
-        engine.compile()
-        compile_outside_autoep(engine.module)
+        if zero3_compiles_layers(ds):
+            compile_zero3_layers(engine.module)
+        else:
+            engine.compile()
+            compile_outside_autoep(engine.module)
     return engine, data
 
 
@@ -193,6 +196,31 @@ def wants_compile(recipe: Recipe, ds: dict) -> bool:
     if recipe.train.compile == "auto":
         return get_accelerator().device_name() == "cuda" and compile_blocker(ds) is None
     return bool(recipe.train.compile)
+
+
+def compile_zero3_layers(model: torch.nn.Module) -> list[str]:
+    """train.compile: true under ZeRO-3 with decoder-layer leaves (ds_config.zero3_compiles_layers): each decoder
+    layer's forward compiled, AutoEP's routing, token movement and experts eager (a graph break, as DeepSpeed's
+    compile.autoep_non_moe does under ZeRO-1/2), the shared experts inside each AutoEP block compiled on their own.
+    The forward function is compiled, not the module's call, so DeepSpeed's hooks on the layer (gather before,
+    release after, its gradient reduce) stay eager around it and see the gathered weights only. Returns what
+    was compiled."""
+    import types
+
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+
+    done = []
+    for name, module in model.named_modules():
+        if isinstance(module, AutoEPMoELayer) and not getattr(module.forward, "_torchdynamo_disable", False):
+            module.forward = torch.compiler.disable(module.forward)
+            shared = getattr(module, "shared_experts", None)
+            if shared is not None:
+                shared.forward = torch.compile(shared.forward, dynamic=False)
+                done.append(f"{name}.shared_experts")
+    for i, layer in enumerate(model.get_decoder().layers):
+        layer.forward = torch.compile(types.MethodType(type(layer).forward, layer), dynamic=False)
+        done.append(f"layers.{i}")
+    return done
 
 
 def compile_outside_autoep(model: torch.nn.Module) -> list[str]:

@@ -205,6 +205,7 @@ def test_auto_autoep_size_stays_inside_a_node():
     (2, {}, False, None),                       # off: the DS config is left alone
     (2, {"compile": {"autoep_non_moe": False}}, "auto", False),  # an explicit choice in the DS config stays
     (3, {}, "auto", None),                      # DeepSpeed cannot do it under ZeRO-3: auto stays off
+    (3, {"leaf_module": "auto"}, True, None),   # the engine compiles the layers there (compile_zero3_layers)
     (2, {"offload_optimizer": {"device": "cpu"}}, "auto", None),
 ])
 def test_compile_follows_what_deepspeed_can_do(stage, ds_sets, compile_, expect):
@@ -217,7 +218,7 @@ def test_compile_follows_what_deepspeed_can_do(stage, ds_sets, compile_, expect)
     raw.update({k: v for k, v in ds_sets.items() if k == "compile"})
     cfg = resolve_ds_config(raw, r, world_size=1, ranks_per_node=1, auto_batch=AutoBatch())
     assert cfg.get("compile", {}).get("autoep_non_moe") is expect
-    assert not wants_compile(r, cfg)  # auto compiles on CUDA devices only; this is a CPU
+    assert wants_compile(r, cfg) is (compile_ is True)  # auto compiles on CUDA devices only; this is a CPU
 
 
 @pytest.mark.parametrize("device, written, expect", [
@@ -323,7 +324,8 @@ TINY = (RECIPES / "tiny.yaml").read_text()
     ("batch_mismatch", "train_batch_size (10) != train_micro_batch_size_per_gpu (8) x gradient_accumulation_steps (1)"),
     ("malformed_json", "malformed JSON at line 1"),
     ("resume_without_checkpoint", "--resume: no checkpoint in"),
-    ("compile_under_zero3", "train.compile: true needs ZeRO stage 1 or 2 (this config has stage 3)"),
+    ("compile_under_zero3", "train.compile: true needs ZeRO stage 1 or 2 (this config has stage 3), or ZeRO-3 with "
+     'zero_optimization.leaf_module "auto"'),
     ("compile_bad_value", "train.compile: 'fast' is not one of true, false, auto"),
     ("recipe_and_json_together", "train.max_step: unknown key"),
     ("ds_and_data_together", "train_batch_size (10) != "),
@@ -393,6 +395,11 @@ def bad_input(tmp_path, case: str, run):
     elif case == "negative_checkpoint_every":  # --checkpoint_every overrides checkpoint.every_steps
         args = ["--checkpoint_every", "-1"]
     elif case in ("compile_under_zero3", "compile_bad_value"):
+        if case == "compile_under_zero3":  # ZeRO-3 hooking every module (no leaf_module): nothing to compile around
+            cfg = json.loads(ZERO3.read_text())
+            del cfg["zero_optimization"]["leaf_module"]
+            ds = tmp_path / "ds.json"
+            ds.write_text(json.dumps(cfg))
         recipe = TINY.replace("max_steps: 600", "max_steps: 600\n  compile: " + ("true" if case == "compile_under_zero3" else "fast"))
     return run(tmp_path, "--deepspeed_config", ds, *args, world=world, recipe=recipe)
 

@@ -69,7 +69,8 @@ def runs(tmp_path_factory):
     # Same global batch: 1 rank x micro-batch 2 == 2 ranks x micro-batch 1.
     one = probe(tmp, "one", 1, 2, RECIPE)
     SEEN["one_big"] = probe(tmp, "one_big", 1, 2, BIG, "--build_only")  # for the memory test (a launch)
-    two = probe(tmp, "two", 2, 1, RECIPE)
+    # 2 ranks with each decoder layer's forward compiled (ZeRO-3 with leaves, train.compile: true) against 1 eager rank
+    two = probe(tmp, "two", 2, 1, RECIPE.replace("train: {", "train: {compile: true, "))
     SEEN["per_module"] = probe(tmp, "per_module", 1, 2, RECIPE, leaf=None)  # DeepSpeed's default hooks
     params = {n: torch.load(tmp / n / "out" / "params.pt") for n in ("one", "two", "per_module")}
     SEEN["shm_left"] = shm_buffers() - shm_before
@@ -122,7 +123,10 @@ def test_ranks_read_disjoint_data_covering_the_set(runs):
 
 
 def test_two_ranks_train_to_the_same_parameters_as_one(runs):
+    """... the 2 ranks with their decoder layers compiled (train.compile: true under ZeRO-3 with decoder-layer leaves:
+    DeepSpeed's gathers and releases around each compiled layer, a parameter's storage changing between steps)."""
     one, two, params = runs
+    assert [info["compiled_layers"] for info in two] == [4, 4] and one[0]["compiled_layers"] == 0
     assert np.allclose(one[0]["losses"], two[0]["losses"], rtol=1e-5)
     assert one[0]["losses"][-1] < one[0]["losses"][0] - 0.5  # it trained: parameters moved
     p1, p2 = params["one"], params["two"]
