@@ -140,6 +140,9 @@ def resolve_leaf_modules(cfg: dict, recipe: Recipe) -> list[str]:
     if not isinstance(z, dict) or "leaf_module" not in z:
         return []
     leaf = z["leaf_module"]
+    if leaf is None:  # null: as if the key were not there (DeepSpeed's hook on every module)
+        del z["leaf_module"]
+        return []
     if leaf != "auto":
         return [] if isinstance(leaf, dict) else [
             f'zero_optimization.leaf_module ({leaf!r}) must be "auto" (each decoder layer one ZeRO-3 leaf) or an '

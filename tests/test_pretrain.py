@@ -96,6 +96,7 @@ def test_zero3_gather_settings_auto_keep_gathered_parameters_on_one_gpu_only(wor
     (2, "auto", None),  # below ZeRO-3 there are no hooks to spare: the key is dropped
     (3, {"classes": ["DeepseekV3MLP"]}, {"classes": ["DeepseekV3MLP"]}),  # written: as written
     (3, "layers", ConfigError),
+    (3, None, None),  # null: no leaves, DeepSpeed's hook on every module
 ])
 def test_leaf_module_auto_names_the_decoder_layers_under_zero3(stage, written, expect):
     raw = read_ds_config(ZERO3)

@@ -3,6 +3,8 @@
 # the DeepCompile reproduction, and the 50-step loss of "auto" against a written batch. One bin/bench.py run per row
 # ($OUT/levers.jsonl), a timeout per run, every run cut so the call ends inside BUDGET_S; the table at the end.
 #   bash docs/bench/zero3_levers.sh levers   # repro (3 cases, side by side), then the levers, then loss_auto_16x4
+#   bash docs/bench/zero3_levers.sh leaves   # decoder-layer leaves (as shipped) against a hook per module, and
+#     train.compile=true (each layer compiled, possible with the leaves); FusedAdam is built first
 #   bash docs/bench/zero3_levers.sh loss     # the 50-step loss runs: a written 16 x 4 and "auto"; CAPPED=1 adds "auto"
 #     under an 80 GB cap, DC=1 the whole model under DeepCompile with the scheduler fix, REPRO=1 the AutoEP repro case
 # RECIPE=engine/recipes/tiny.yaml STEPS=2 WARMUP=1 LOSS_STEPS=3 runs the same logic on the CPU in minutes.
@@ -45,6 +47,14 @@ for path in sys.argv[1:]:
                                                   "bwd_ms", "step_ms", "peak_gib")), "|", r.get("sets"), r.get("ds_sets"))
 PY
 }
+if [ "$PHASE" = leaves ]; then
+  python3 -c "from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load()" > /dev/null 2>&1
+  run z3_leaves 150 $Z3 --steps $STEPS --warmup $WARMUP
+  run z3_per_module 150 $Z3 --steps $STEPS --warmup $WARMUP --ds_set zero_optimization.leaf_module=null
+  run z3_layers_compiled 200 $Z3 --steps $STEPS --warmup $WARMUP --set train.compile=true
+  table "$OUT/levers.jsonl" | tee -a "$LOG"
+  exit 0
+fi
 if [ "$PHASE" = levers ]; then
   # DeepSpeed JIT-builds FusedAdam on first use: once, outside the runs' timeouts, beside the reproduction (no FusedAdam)
   python3 -c "from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load()" > /dev/null 2>&1 &
