@@ -81,9 +81,10 @@ def exit_now(code) -> NoReturn:
     """
     if code or sys.getprofile() is not None or sys.gettrace() is not None:
         sys.exit(code)
-    for t in threading.enumerate():
-        if t is not threading.current_thread() and not t.daemon:
-            t.join()
+    # The interpreter's own first step: threading's exit hooks, then every non-daemon thread joined. A thread pool
+    # (concurrent.futures; inductor compiles in one) ends its idle workers only from its hook, so joining them
+    # without it waited forever: a cold-cache `train.compile: true` run hung after its last line.
+    threading._shutdown()  # noqa: SLF001 (what Py_Finalize calls; public API has no equivalent)
     atexit._run_exitfuncs()  # noqa: SLF001 (the handlers sys.exit would run; os._exit skips them)
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -15,6 +15,9 @@ def late_write():
 print("buffered line")  # stdout is a pipe here: block-buffered until flushed
 atexit.register(lambda: print("atexit ran"))
 threading.Thread(target=late_write).start()  # not a daemon: a normal exit waits for it
+from concurrent.futures import ThreadPoolExecutor  # an idle pool's workers (as inductor's compile leaves) end at exit
+pool = ThreadPoolExecutor(2)  # kept alive, as inductor keeps its own
+pool.submit(time.sleep, 0.01).result()
 exit_now(CODE)
 """
 
@@ -27,7 +30,8 @@ def run(tmp_path, code: str) -> subprocess.CompletedProcess:
 
 
 def test_exit_now_joins_threads_runs_atexit_and_flushes(tmp_path):
-    """A finished run (code 0 or None) leaves through os._exit: what a normal exit does must still happen."""
+    """A finished run (code 0 or None) leaves through os._exit: what a normal exit does must still happen, an idle
+    thread pool's workers ended too (joined without threading's exit hook, they waited forever)."""
     p = run(tmp_path, "0")
     assert p.returncode == 0, p.stderr
     assert p.stdout.splitlines() == ["buffered line", "atexit ran"]
