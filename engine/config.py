@@ -122,10 +122,11 @@ class TrainConfig:
     engine/model.py compile_parameter_free; +12% on one H200), DeepSpeed's hooks staying eager; off otherwise.
     true: always (refused where it cannot be done); under ZeRO-3 with decoder-layer leaves (zero_optimization.leaf_module
     "auto", as shipped) pretraining compiles each decoder layer's forward itself, AutoEP eager, DeepSpeed's hooks
-    around the layer (engine/pretrain.py compile_zero3_layers; not yet measured on a GPU, so auto does not take it).
-    false: never. All of this is pretraining's: bin/grpo.py's policy and reference run their layers eager under
-    every ZeRO stage (their lengths change every step), with only the parameter-free functions compiled under
-    ZeRO-3 on CUDA (train.compile not false)."""
+    around the layer (engine/pretrain.py compile_layers; not yet measured on a GPU, so auto does not take it).
+    false: never. All of this is pretraining's. bin/grpo.py: auto compiles the policy's parameter-free functions
+    under ZeRO-3 on CUDA and nothing else (layers eager under every stage); true compiles the policy's decoder
+    layers, AutoEP eager, for any sequence length (compile_layers with dynamic shapes; not yet measured on a GPU);
+    the reference's layers stay eager."""
 
 
 @dataclass

@@ -241,7 +241,7 @@ def resolve_compile(cfg: dict, recipe: Recipe) -> list[str]:
 def zero3_compiles_layers(cfg: dict) -> bool:
     """ZeRO-3 whose leaf modules are the decoder layers (leaf_module "auto", resolved): no hook of DeepSpeed's sits
     inside a layer, so each layer's forward can be compiled as under ZeRO-1/2 (engine/pretrain.py
-    compile_zero3_layers), the hooks running around it. Not with a pipeline section or parameter offload."""
+    compile_layers), the hooks running around it. Not with a pipeline section or parameter offload."""
     z = cfg.get("zero_optimization") or {}
     leaf = z.get("leaf_module")
     names = leaf.get("names") if isinstance(leaf, dict) else None

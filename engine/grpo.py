@@ -29,8 +29,8 @@ from .ds_config import BATCH_KEYS, read_ds_config, resolve_ds_config, whole_mode
 from .grpo_math import GRPOLossConfig, group_advantages, keep_mask, kl_k3, policy_loss
 from .metrics import DeviceClock, Metrics, print0
 from .model import build_model, make_hf_config
-from .pretrain import (check_ranks_agree, forget_zero3_for_transformers, peak_memory_gib, report_error,
-                       start_ranks)
+from .pretrain import (check_ranks_agree, compile_layers, forget_zero3_for_transformers, peak_memory_gib,
+                       report_error, start_ranks)
 from .parallel import World, build_engine, device_kind, model_dtype, world_from_env
 from .rewards import build_rewards
 from .routing import Router, agreement, has_moe
@@ -822,6 +822,9 @@ def setup(recipe: Recipe, ds: dict, tok, rewards, prompts, evals, world: World) 
     schedule = replace(t, max_steps=t.max_steps * g.iterations, warmup_steps=t.warmup_steps * g.iterations,
                        decay_steps=t.decay_steps and t.decay_steps * g.iterations)
     policy = build_engine(model, ds, schedule, lengths_vary=True)
+    if recipe.train.compile is True:  # not "auto" until measured on a GPU: the parameter-free functions stay its default
+        done = compile_layers(policy.module, dynamic=None)
+        print0(f"compile: the policy's {len(done)} decoder layers and shared experts (AutoEP eager), any length")
     ref = build_reference(policy, recipe, ds, tok, world.size) if g.beta > 0 else None
     micro = policy.train_micro_batch_size_per_gpu()
     n_seq = micro * policy.gradient_accumulation_steps()

@@ -266,15 +266,14 @@ def autoep_size_one_is_intended(ds_config: dict):
 def compiles_parameter_free(ds_config: dict, train, lengths_vary: bool = False) -> bool:
     """ZeRO-3 training on CUDA with train.compile not false: DeepSpeed compiles nothing around AutoEP there, so the
     parameter-free functions of the layers are compiled instead (model.compile_parameter_free; docs/benchmarks.md,
-    session 8). ZeRO 1-2 compile whole layers (engine/pretrain.py); so does pretraining under ZeRO-3 with
-    decoder-layer leaves and train.compile: true (pretrain.compile_zero3_layers), but not GRPO (lengths_vary: its
-    lengths change every step, which whole layers compiled for static shapes would recompile for). Pipeline stages
-    are left as they are."""
+    session 8). ZeRO 1-2 compile whole layers (engine/pretrain.py); so do, with train.compile: true, pretraining
+    under ZeRO-3 with decoder-layer leaves and GRPO's policy (lengths_vary) under any stage (pretrain.compile_layers).
+    Pipeline stages are left as they are."""
     from deepspeed.accelerator import get_accelerator
 
     from .ds_config import zero3_compiles_layers
 
     stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
-    layers = getattr(train, "compile", False) is True and zero3_compiles_layers(ds_config) and not lengths_vary
+    layers = getattr(train, "compile", False) is True and (zero3_compiles_layers(ds_config) or lengths_vary)
     return (train is not None and getattr(train, "compile", False) is not False and stage == 3 and not layers
             and "pipeline" not in ds_config and get_accelerator().device_name() == "cuda")

@@ -182,7 +182,7 @@ def build(recipe: Recipe, ds: dict, tok, world: World):
                f"{rest} in the model's dtype")
     if wants_compile(recipe, ds):
         if zero3_compiles_layers(ds):
-            compile_zero3_layers(engine.module)
+            compile_layers(engine.module)
         else:
             engine.compile()
             compile_outside_autoep(engine.module)
@@ -198,13 +198,14 @@ def wants_compile(recipe: Recipe, ds: dict) -> bool:
     return bool(recipe.train.compile)
 
 
-def compile_zero3_layers(model: torch.nn.Module) -> list[str]:
-    """train.compile: true under ZeRO-3 with decoder-layer leaves (ds_config.zero3_compiles_layers): each decoder
-    layer's forward compiled, AutoEP's routing, token movement and experts eager (a graph break, as DeepSpeed's
-    compile.autoep_non_moe does under ZeRO-1/2), the shared experts inside each AutoEP block compiled on their own.
-    The forward function is compiled, not the module's call, so DeepSpeed's hooks on the layer (gather before,
-    release after, its gradient reduce) stay eager around it and see the gathered weights only. Returns what
-    was compiled."""
+def compile_layers(model: torch.nn.Module, dynamic: bool | None = False) -> list[str]:
+    """Each decoder layer's forward compiled, AutoEP's routing, token movement and experts eager (a graph break, as
+    DeepSpeed's compile.autoep_non_moe does under ZeRO-1/2), the shared experts inside each AutoEP block compiled on
+    their own. Pretraining's train.compile: true under ZeRO-3 with decoder-layer leaves (ds_config.
+    zero3_compiles_layers); GRPO's policy with train.compile: true under any ZeRO stage (`dynamic` None: its lengths
+    change every step, so one trace per layer kind serves them). The forward function is compiled, not the module's
+    call, so DeepSpeed's hooks on the layer (ZeRO-3: gather before, release after, its gradient reduce) stay eager
+    around it and see the gathered weights only. Returns what was compiled."""
     import types
 
     from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
@@ -215,10 +216,10 @@ def compile_zero3_layers(model: torch.nn.Module) -> list[str]:
             module.forward = torch.compiler.disable(module.forward)
             shared = getattr(module, "shared_experts", None)
             if shared is not None:
-                shared.forward = torch.compile(shared.forward, dynamic=False)
+                shared.forward = torch.compile(shared.forward, dynamic=dynamic)
                 done.append(f"{name}.shared_experts")
     for i, layer in enumerate(model.get_decoder().layers):
-        layer.forward = torch.compile(types.MethodType(type(layer).forward, layer), dynamic=False)
+        layer.forward = torch.compile(types.MethodType(type(layer).forward, layer), dynamic=dynamic)
         done.append(f"layers.{i}")
     return done
 

@@ -77,11 +77,12 @@ def grpo_ds(path, fp32: bool, accumulation: int = 1):
 
 
 def probe(pretrained, name: str, ranks: int, kind: str, fp32: bool, *extra, iterations: int = 1,
-          grpo: str = "", accumulation: int = 1) -> list[dict]:
+          grpo: str = "", accumulation: int = 1, train: str = "") -> list[dict]:
     d = pretrained / name
     d.mkdir()
     (d / "grpo.yaml").write_text(GRPO_RECIPE.replace("PROMPTS", str(pretrained / "prompts.jsonl"))
-                                 .replace("rollout: KIND", f"rollout: {kind}, iterations: {iterations}{grpo}"))
+                                 .replace("rollout: KIND", f"rollout: {kind}, iterations: {iterations}{grpo}")
+                                 .replace("train: {", "train: {" + train))
     run_launcher(ranks, PROBE, "--out", d / "out", *extra, "--deepspeed_config",
                  grpo_ds(d / "ds.json", fp32, accumulation), "--config", d / "grpo.yaml", "--init_from", pretrained / "hf",
                  "--run_dir", d / "run", cwd=d)
@@ -266,7 +267,9 @@ def pack_runs(pretrained):
     rank's 8 rows are 4 two-token answers to the short, left-padded arithmetic prompt and 4 eight-token story
     continuations): train passes packed (as shipped) and on consecutive full-width micro-batches (--no_pack)."""
     return {"packed": probe(pretrained, "packed", 2, "local", True, grpo=LOCAL_GRPO, accumulation=2),
-            "plain": probe(pretrained, "unpacked", 2, "local", True, "--no_pack", grpo=LOCAL_GRPO, accumulation=2)}
+            "plain": probe(pretrained, "unpacked", 2, "local", True, "--no_pack", grpo=LOCAL_GRPO, accumulation=2),
+            "compiled": probe(pretrained, "compiled", 2, "local", True, grpo=LOCAL_GRPO, accumulation=2,
+                              train="compile: true, ")}
 
 
 def test_packed_train_passes_train_the_same_policy_on_two_ranks(pack_runs):
@@ -283,6 +286,26 @@ def test_packed_train_passes_train_the_same_policy_on_two_ranks(pack_runs):
         got, want = torch.tensor(new["policy_after"]), torch.tensor(old["policy_after"])
         assert (got - want).abs().max() < 1e-4, (got - want).abs().max()
         assert new["policy_after_vs_before"] > 100 * 1e-4  # the updates moved the policy far more than that
+
+
+def test_a_compiled_policy_trains_as_the_eager_one_on_two_ranks(pack_runs):
+    """train.compile: true: the policy's decoder layers compiled for any length (pretrain.compile_layers, AutoEP eager),
+    under ZeRO-3 with decoder-layer leaves on 2 ranks (EP 2, fp32), packed micro-batches of changing lengths: the
+    eager run's losses and trained policy, to inductor's rounding."""
+    import torch
+
+    for new, old in zip(pack_runs["compiled"], pack_runs["packed"]):
+        assert new["compiled_layers"] == 2 and old["compiled_layers"] == 0  # both layers of the GRPO test model
+        for a, b in zip(new["rows"][1:], old["rows"][1:]):
+            assert a["loss"] == pytest.approx(b["loss"], rel=0, abs=1e-5), (a["loss"], b["loss"])
+            assert a["reward"] == b["reward"] and a["generated_tokens"] == b["generated_tokens"]
+        got, want = torch.tensor(new["policy_after"]), torch.tensor(old["policy_after"])
+        # Inductor's fused reductions round differently (losses above: within 1e-5), and Adam's first steps move an
+        # element by about lr whatever its gradient's size, so one whose tiny gradient rounds the other way moves
+        # the other way: measured 8e-4 in logits the two updates moved by 1.76. A layer computed wrongly would
+        # differ by a share of that motion, not 1/500 of it.
+        moved = new["policy_after_vs_before"]
+        assert (got - want).abs().max() < 2e-3 * moved, ((got - want).abs().max(), moved)
 
 
 def test_two_iterations_run_the_old_logprob_forward_on_one_rank(pretrained):

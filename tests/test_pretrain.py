@@ -206,7 +206,7 @@ def test_auto_autoep_size_stays_inside_a_node():
     (2, {}, False, None),                       # off: the DS config is left alone
     (2, {"compile": {"autoep_non_moe": False}}, "auto", False),  # an explicit choice in the DS config stays
     (3, {}, "auto", None),                      # DeepSpeed cannot do it under ZeRO-3: auto stays off
-    (3, {"leaf_module": "auto"}, True, None),   # the engine compiles the layers there (compile_zero3_layers)
+    (3, {"leaf_module": "auto"}, True, None),   # the engine compiles the layers there (compile_layers)
     (2, {"offload_optimizer": {"device": "cpu"}}, "auto", None),
 ])
 def test_compile_follows_what_deepspeed_can_do(stage, ds_sets, compile_, expect):

@@ -86,7 +86,7 @@ def main() -> None:
     info["params"] = params
     # The modules ZeRO-3 put its hooks on (DeepSpeed gives each an id): with leaf modules not those inside them.
     info["hooked_modules"] = [n for n, m in engine.module.named_modules() if hasattr(m, "ds_id")]
-    # decoder layers whose forward is compiled (train.compile: true under ZeRO-3: pretrain.compile_zero3_layers)
+    # decoder layers whose forward is compiled (train.compile: true under ZeRO-3: pretrain.compile_layers)
     info["compiled_layers"] = sum(hasattr(layer.forward, "_torchdynamo_orig_callable")
                                   for layer in engine.module.get_decoder().layers)
 
