@@ -24,6 +24,7 @@
 #   the batch's 64: GROUP_SIZE=4 MAX_NEW_TOKENS=1024 is the long-completion shape, 16 prompts x 4 x 1024)  INIT=/tmp/gvt_init (REUSE_INIT=1 keeps it)
 #   T_ENGINE=180 T_TRL=240 (per-run timeouts, s)  MASTER_PORT=29600  FREE_LENGTH=1  CONFIGS='zero3_grpo zero2_grpo'
 #   ENGINE_ARGS='--profile_step 4' (more bin/grpo.py arguments; profiles are copied to $OUT)
+#   TRAIN_COMPILE=true (the recipe's train.compile: true compiles the policy's decoder layers; give T_ENGINE its compile)
 #   GRPO_SCRIPT=bin/grpo.py (a wrapper that patches something for a diagnosis and runs bin/grpo.py; CONFIGS may name files)
 # CPU smoke test (here, tiny model; the same steps):
 #   OUT=/tmp/gvt RECIPE=engine/recipes/grpo_tiny.yaml MAX_NEW_TOKENS=8 STEPS=2 bash docs/bench/grpo_vs_trl.sh
@@ -66,10 +67,13 @@ if [ "${SUMMARY_ONLY:-0}" != 1 ]; then
     echo "FusedAdam build: exit $? in $((SECONDS - t))s"
   fi
   # The recipe both engine runs use: the workload's settings on top of $RECIPE
-  python3 - "$RECIPE" /tmp/gvt_recipe.yaml "${MAX_NEW_TOKENS:-}" "${FREE_LENGTH:-0}" "${GROUP_SIZE:-}" <<'EOF'
+  python3 - "$RECIPE" /tmp/gvt_recipe.yaml "${MAX_NEW_TOKENS:-}" "${FREE_LENGTH:-0}" "${GROUP_SIZE:-}" \
+    "${TRAIN_COMPILE:-}" <<'EOF'
 import sys, yaml
-src, dst, mnt, free, group = sys.argv[1:6]
+src, dst, mnt, free, group, compile_ = sys.argv[1:7]
 r = yaml.safe_load(open(src))
+if compile_:
+    r.setdefault("train", {})["compile"] = yaml.safe_load(compile_)
 g = r.setdefault("grpo", {})
 g.update(beta=0.04, kl="k3", rewards=[{"name": "numeric", "weight": 1.0, "which": "first"}])
 g.pop("eval_path", None); g.pop("eval_every", None)
