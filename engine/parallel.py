@@ -265,8 +265,8 @@ def autoep_size_one_is_intended(ds_config: dict):
 
 def compiles_parameter_free(ds_config: dict, train, lengths_vary: bool = False) -> bool:
     """ZeRO-3 training on CUDA with train.compile not false: DeepSpeed compiles nothing around AutoEP there, so the
-    parameter-free functions of the layers are compiled instead (model.compile_parameter_free; docs/benchmarks.md,
-    session 8). ZeRO 1-2 compile whole layers (engine/pretrain.py); so do, with train.compile: true, pretraining
+    parameter-free functions of the layers are compiled instead (model.compile_parameter_free; docs/benchmarks.md).
+    ZeRO 1-2 compile whole layers (engine/pretrain.py); so do, with train.compile: true, pretraining
     under ZeRO-3 with decoder-layer leaves and GRPO's policy (lengths_vary) under any stage (pretrain.compile_layers).
     Pipeline stages are left as they are."""
     from deepspeed.accelerator import get_accelerator
