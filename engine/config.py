@@ -114,6 +114,13 @@ class TrainConfig:
     (engine/fp8.py; pip install -e ".[fp8]"); the output layer, routers and routed experts stay in the model's dtype;
     weights, checkpoints and exports are unchanged. all: the routed experts too, through torchao's FP8 rowwise grouped
     GEMM (AutoEP's experts; the output layer and routers stay in the model's dtype)."""
+    stochastic_rounding: bool | str = "auto"
+    """With bf16 master weights (DS config bf16.bf16_master_weights_and_grads, e.g. ds_configs/zero2_bf16_states.json)
+    AdamW runs as engine/optim.py's AdamWSR: the update computed in fp32, the new bf16 weight rounded up or down at
+    random in proportion (unbiased), so updates below half a bf16 step (|w| / 512) still land on average; DeepSpeed's
+    own optimizer rounds to nearest and drops them. auto: on wherever the DS config keeps bf16 master weights with an
+    Adam/AdamW on the GPU (no optimizer offload), otherwise off. true: required (refused where it cannot apply).
+    false: DeepSpeed's optimizer as configured."""
     compile: bool | str = "auto"
     """torch.compile through DeepSpeed (engine.compile()) of the layers around the AutoEP blocks (DS config
     "compile": {"autoep_non_moe": true}; routing and experts stay eager). auto: on for CUDA runs whose DS config
@@ -513,6 +520,8 @@ def validate(r: Recipe) -> list[str]:
         p.append(f"train.log_every: must be >= 1, got {t.log_every}")
     if t.fp8 not in (False, "dense", "all"):
         p.append(f"train.fp8: {t.fp8!r} is not one of false, dense, all")
+    if t.stochastic_rounding not in (True, False, "auto"):
+        p.append(f"train.stochastic_rounding: {t.stochastic_rounding!r} is not one of true, false, auto")
     if t.compile not in (True, False, "auto"):
         p.append(f"train.compile: {t.compile!r} is not one of true, false, auto")
     if t.balance_rate < 0:

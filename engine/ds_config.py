@@ -89,6 +89,9 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, ranks_per_node
         stages, found = check_pipeline(cfg, recipe, stage)
         p += found
     p += resolve_optimizer(cfg, recipe, device)
+    if recipe.train.stochastic_rounding is True and "optimizer" in cfg and stochastic_rounding_blocker(cfg):
+        p.append(f"train.stochastic_rounding: true, but {stochastic_rounding_blocker(cfg)}; set it to auto or false, "
+                 "or use ds_configs/zero2_bf16_states.json")
     p += resolve_expert_parallel(cfg, recipe, world_size, stages, ranks_per_node, device)
     resolve_zero3_gather(cfg, world_size, device)
     p += resolve_leaf_modules(cfg, recipe)
@@ -186,6 +189,33 @@ def resolve_optimizer(cfg: dict, recipe: Recipe, device: str = "cpu") -> list[st
         if device == "cpu" and adam and offload in (None, "none") and "torch_adam" not in params:
             params["torch_adam"] = True
     return p
+
+
+SR_PARAMS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam"}  # what engine/optim.py's AdamWSR takes
+
+
+def stochastic_rounding_blocker(cfg: dict) -> str | None:
+    """Why train.stochastic_rounding cannot apply to this DS config (None: it can): it rounds bf16 master weights
+    in an AdamW (decoupled weight decay) that runs on the accelerator."""
+    bf16 = cfg.get("bf16") or {}
+    if not (bf16.get("enabled") and bf16.get("bf16_master_weights_and_grads")):
+        return "the DS config keeps fp32 master weights (nothing to round; bf16.bf16_master_weights_and_grads is off)"
+    offload = ((cfg.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device", "none")
+    if offload not in (None, "none"):
+        return "the optimizer is offloaded (DeepSpeedCPUAdam updates the weights on the CPU)"
+    opt = cfg.get("optimizer") or {}
+    params = opt.get("params") or {}
+    if str(opt.get("type", "")).lower() not in ("adam", "adamw") or params.get("adam_w_mode", True) is not True:
+        return f"the optimizer is {opt.get('type')!r} (only Adam/AdamW with decoupled weight decay)"
+    other = sorted(set(params) - SR_PARAMS)
+    if other:
+        return f"optimizer.params.{other[0]} is not one AdamWSR takes ({', '.join(sorted(SR_PARAMS - {'torch_adam'}))})"
+    return None
+
+
+def uses_stochastic_rounding(cfg: dict, train) -> bool:
+    """train.stochastic_rounding resolved against the DS config (auto: wherever it can apply)."""
+    return train is not None and train.stochastic_rounding is not False and stochastic_rounding_blocker(cfg) is None
 
 
 def resolve_expert_parallel(cfg: dict, recipe: Recipe, world_size: int, stages: int, ranks_per_node: int,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .ds_config import uses_stochastic_rounding
 from .model import compile_parameter_free
 from .watchdog import start_peer_watchdog
 
@@ -184,8 +185,11 @@ def build_engine(model: torch.nn.Module, ds_config: dict, train=None, lengths_va
         mult = lr_multiplier(train)
         schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, mult)  # noqa: E731
     check_leaf_modules(ds_config, model)
+    optimizer = None
+    if uses_stochastic_rounding(ds_config, train):
+        ds_config, optimizer = stochastic_rounding_optimizer(ds_config, train.seed)
     with autoep_size_one_is_intended(ds_config):
-        engine, *_ = deepspeed.initialize(model=model, config=ds_config, lr_scheduler=schedule,
+        engine, *_ = deepspeed.initialize(model=model, config=ds_config, lr_scheduler=schedule, optimizer=optimizer,
                                           model_parameters=model.parameters() if train is not None else None)
     one_overflow_check(engine)
     if compiles_parameter_free(ds_config, train, lengths_vary):
@@ -193,6 +197,27 @@ def build_engine(model: torch.nn.Module, ds_config: dict, train=None, lengths_va
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"compile: parameter-free functions only under ZeRO-3: {', '.join(done)}", flush=True)
     return engine
+
+
+def stochastic_rounding_optimizer(ds_config: dict, seed: int):
+    """The DS config without its optimizer section, and a callable that deepspeed.initialize turns into that
+    optimizer as engine/optim.py's AdamWSR (train.stochastic_rounding). DeepSpeed calls it with the parameters after
+    AutoEP has swapped in its expert layers; they are split into DeepSpeed's MoE parameter groups as DeepSpeed does
+    for the optimizer it builds itself (ZeRO reduces expert gradients over the expert-data-parallel group only)."""
+    from deepspeed.moe.utils import configure_moe_param_groups
+    from deepspeed.runtime.zero import utils as zero_utils
+
+    from .optim import AdamWSR
+
+    if AdamWSR not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:  # ZeRO checks by exact type; DeepSpeed adds Muon so too
+        zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(AdamWSR)
+    ds_config = dict(ds_config)
+    params = dict(ds_config.pop("optimizer").get("params") or {})
+    kwargs = {k: params[k] for k in ("lr", "betas", "eps", "weight_decay") if k in params}
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("optimizer: AdamW with stochastic rounding of the bf16 master weights (train.stochastic_rounding)",
+              flush=True)
+    return ds_config, lambda parameters: AdamWSR(configure_moe_param_groups(list(parameters)), seed=seed, **kwargs)
 
 
 def check_leaf_modules(ds_config: dict, model: torch.nn.Module) -> None:

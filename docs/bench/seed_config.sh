@@ -12,6 +12,8 @@
 # differently): the losses side by side, and their largest gap. TOKENS_PER_STEP sets train.tokens_per_step_per_gpu
 # (the "auto" accumulation's target) for every run; UNCAPPED_SET edits UNCAPPED as DS_SET does CONFIG (write the capped
 # run's micro-batch and accumulation there, so both train on the same batches); LOSS_RUNS ("capped uncapped") which.
+# SR sets every run's train.stochastic_rounding (true/false/auto; unset: the recipe's, auto) and names the rows
+# seed_<mode>_sr_<SR>.jsonl, so SR=false and SR=auto rows of one config can sit in one OUT.
 # MFU: the metrics rows' own (engine/flops.py: model FLOPs over the GPU's dense bf16 peak; FP8 rows against the same
 # bf16 peak, so FP8 shows as a higher MFU, not a different denominator).
 # Files: $OUT/seed_<mode>.jsonl (metrics rows; LOSS: seed_capped.jsonl, seed_uncapped.jsonl), $OUT/seed.md, $OUT/logs.tgz.
@@ -43,7 +45,8 @@ recipe() {  # recipe MODE PATH: the recipe with train.fp8 MODE, metrics every st
   python3 -c "import sys, yaml; r = yaml.safe_load(open(sys.argv[1])); t = r.setdefault('train', {})
 t['fp8'] = sys.argv[2] != 'false' and sys.argv[2]; t['log_every'] = 1; r['checkpoint'] = {'at_end': False}
 t.update({'tokens_per_step_per_gpu': int(sys.argv[4])} if sys.argv[4] else {})
-yaml.safe_dump(r, open(sys.argv[3], 'w'))" "$RECIPE" "$1" "$2" "${TOKENS_PER_STEP:-}"
+t.update({'stochastic_rounding': {'true': True, 'false': False}.get(sys.argv[5], sys.argv[5])} if sys.argv[5] else {})
+yaml.safe_dump(r, open(sys.argv[3], 'w'))" "$RECIPE" "$1" "$2" "${TOKENS_PER_STEP:-}" "${SR:-}"
 }
 avail() { awk '/^MemAvailable:/ {print $2}' /proc/meminfo; }
 port=29700
@@ -74,9 +77,9 @@ if [ -n "${LOSS:-}" ]; then
   NAMES="capped uncapped"
 else
   for mode in ${MODES:-false dense all}; do
-    run "$mode" "$mode" $W/ds.json "${STEPS:-12}" --memory_fraction "$FRACTION"
+    run "$mode${SR:+_sr_$SR}" "$mode" $W/ds.json "${STEPS:-12}" --memory_fraction "$FRACTION"
   done
-  NAMES="${MODES:-false dense all}"
+  NAMES="$(for m in ${MODES:-false dense all}; do printf '%s ' "$m${SR:+_sr_$SR}"; done)"
 fi
 python3 - "$OUT" "$NAMES" "${LOSS:-}" <<'PY' | tee "$OUT/seed.md"
 import json, statistics, sys
