@@ -126,7 +126,20 @@ class Cadence:
 
 
 def _rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every generator a rank draws from: the GPU's too (the rollout decoder samples there; compiled code seeds
+    its own random numbers from it)."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()  # this rank's device
+    return state
+
+
+def _restore_rng(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def _persistent_buffers(module: torch.nn.Module) -> dict:
@@ -472,13 +485,11 @@ def load(engine, run_dir: str | Path) -> dict:
     _rebuild_cpu_adam_products(engine)
     rng_file = root / tag / f"rng_rank{dist.get_rank()}.pt"
     if rng_file.is_file():  # a rank beyond the saved world size keeps its seeded RNG
-        rng = torch.load(rng_file, weights_only=False)  # our own file: python/numpy RNG states are not tensors
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        torch.set_rng_state(rng["torch"])
+        _restore_rng(torch.load(rng_file, weights_only=False))  # our own file: python/numpy states are no tensors
     saved = json.loads((root / tag / STATE_FILE).read_text())
     position = resume_position(saved, engine.train_micro_batch_size_per_gpu(), dist.get_world_size())
-    extra = {"curriculum": saved["curriculum"]} if "curriculum" in saved else {}  # grpo.curriculum's statistics
+    extra = {k: saved[k] for k in ("curriculum", "prompts_done") if k in saved}  # GRPO's: curriculum statistics,
+    # prompts consumed over all ranks (any group size, batch or world size continues from it)
     return {"step": client["step"], "position": position, "tokens": client["tokens"], **extra}
 
 

@@ -216,8 +216,10 @@ class GRPOConfig:
     """KL weight; 0 builds no reference engine."""
     kl: str = "k3"
     aggregation: str = "grpo"
-    """grpo | dapo | dr_grpo."""
+    """grpo | dapo | dr_grpo: how token losses become the batch loss (engine/grpo_math.py). dr_grpo is Dr. GRPO's
+    aggregation only; its std-free advantages are normalize_std: false, set apart."""
     normalize_std: bool = True
+    """Divide each group's advantages by the group's reward std (GRPO); false: mean-centred only (Dr. GRPO)."""
     rollout_correction: str = "none"
     """none | tis | mis: correct the policy gradient for the rollout/train mismatch with the rollout decoder's own
     log-probs (engine/grpo_math.py: GRPOLossConfig). Local chain rollouts only."""

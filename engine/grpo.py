@@ -281,7 +281,10 @@ def preflight(args, world: World):
         problems.append(f"grpo.routing_replay r3: the {hf_config.model_type} model has no MoE layer, so there are no "
                         "expert choices to replay; set grpo.routing_replay: off")
     needs_local = next((why for on, why in ((g.tree.enabled, "grpo.tree"),
-                                            (g.routing_replay == "r3", "grpo.routing_replay r3")) if on), None)
+                                            (g.routing_replay == "r3", "grpo.routing_replay r3"),
+                                            (g.rollout_correction != "none", f"grpo.rollout_correction "
+                                                                             f"{g.rollout_correction}"),
+                                            (g.min_new_tokens > 0, "grpo.min_new_tokens")) if on), None)
     problem = decoder_family_problem(hf_config)
     if problem and (g.rollout == "local" or needs_local):
         problems.append(problem if g.rollout == "local" else f"{problem} ({needs_local} needs the local decoder)")
@@ -854,11 +857,11 @@ def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | No
     state = checkpoint.load(run.policy, recipe.run_dir) if recipe.resume else {"step": 0, "position": 0, "tokens": 0}
     step, n_prompts = state["step"], run.n_seq // g.group_size
     generated = state["tokens"]  # GRPO's checkpoints count generated tokens (over ranks) in "tokens"
-    # The data position counts micro-batches per rank, as in pretraining, so checkpoint.load converts it to this
-    # world size; here it becomes prompts consumed over all ranks.
-    done = state["position"] * run.micro * world.size // g.group_size
-    order = np.random.default_rng(recipe.train.seed).permutation(len(prompts))
-    cur = curriculum.for_run(g.curriculum, len(prompts), n_prompts * world.size, recipe.train.seed,
+    # Prompts consumed over all ranks; checkpoints before prompts_done existed hold only the data position
+    # (micro-batches per rank, as in pretraining, converted to this world size by checkpoint.load).
+    done = state.get("prompts_done", state["position"] * run.micro * world.size // g.group_size)
+    order = np.random.default_rng(recipe.data_seed()).permutation(len(prompts))
+    cur = curriculum.for_run(g.curriculum, len(prompts), n_prompts * world.size, recipe.data_seed(),
                              state.get("curriculum"))  # None unless grpo.curriculum.enabled
     metrics = Metrics(recipe.run_dir, recipe.train.max_steps, step, run.policy.monitor)
     saver = checkpoint.Cadence(recipe.checkpoint, run.device, stop_file=Path(recipe.run_dir) / checkpoint.STOP_FILE)
@@ -893,6 +896,7 @@ def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | No
         save, stop = saver.due(step, step if last else recipe.train.max_steps)  # at_end: the budget's last step too
         if save:
             checkpoint.save(run.policy, recipe, {"step": step, "tokens": int(generated), "init_source": source,
+                                                 "prompts_done": done,
                                                  "position": done * g.group_size // (run.micro * world.size),
                                                  **({"curriculum": cur.state_dict()} if cur else {})}, tok)
         if stop:

@@ -366,7 +366,8 @@ checkpoint: {{at_end: false}}
 
 def test_grpo_on_gated_deltanet_generates_through_the_engine(tmp_path, capfd, monkeypatch):
     """Qwen3.5-MoE on 2 ranks: grpo.rollout auto says why it picks the engine and trains 2 steps on its rollouts;
-    grpo.rollout: local is refused in one line before any rank starts."""
+    grpo.rollout: local is refused in one line before any rank starts, and so is auto with a setting only the local
+    decoder carries out (routing replay, rollout correction, min_new_tokens)."""
     from engine.grpo import main
 
     init = save_tiny("qwen3_5_moe_text", tmp_path / "hf")
@@ -374,10 +375,14 @@ def test_grpo_on_gated_deltanet_generates_through_the_engine(tmp_path, capfd, mo
                                                     for p in ("Q: 2 + 3 = ? A:", "Gus went to the harbor with")))
     ds = write_ds(tmp_path / "ds.json", base=ROOT / "ds_configs" / "zero3_grpo.json", drop=("bf16",),
                   train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=1)
-    for name, rollout in (("auto", "auto"), ("local", "local"), ("r3", "auto, routing_replay: r3")):
+    needs_local = {"r3": ("routing_replay: r3", "grpo.routing_replay r3"),
+                   "tis": ("rollout_correction: tis", "grpo.rollout_correction tis"),
+                   "min_new": ("min_new_tokens: 2", "grpo.min_new_tokens")}
+    for name, rollout in (("auto", "auto"), ("local", "local"),
+                          *((k, f"auto, {key}") for k, (key, _) in needs_local.items())):
         (tmp_path / f"{name}.yaml").write_text(GRPO_RECIPE.format(init=init, prompts=tmp_path / "prompts.jsonl",
                                                                   rollout=rollout))
-    for name, why in (("local", ""), ("r3", " (grpo.routing_replay r3 needs the local decoder)")):
+    for name, why in (("local", ""), *((k, f" ({what} needs the local decoder)") for k, (_, what) in needs_local.items())):
         argv = ["--deepspeed_config", ds, "--config", tmp_path / f"{name}.yaml", "--run_dir", tmp_path / "refused"]
         p = run_in_process(main, argv, capfd, monkeypatch, RANK=0, LOCAL_RANK=0, WORLD_SIZE=2, LOCAL_SIZE=2)
         lines = [line for line in p.stderr.splitlines() if line.strip()]

@@ -561,6 +561,9 @@ def test_resumed_grpo_equals_an_uninterrupted_run(pretrained, curriculum):
     assert (ck / "latest").read_text().strip() == "step_00000004"
     shutil.rmtree(ck / "step_00000004")
     (ck / "latest").write_text("step_00000002")
+    # 1 prompt x 4 completions per rank and step: the prompts consumed over both ranks, what a resume continues from
+    # under any group size or batch
+    assert json.loads((ck / "step_00000002" / "engine_state.json").read_text())["prompts_done"] == 4
     lines = (d / "split" / "metrics.jsonl").read_text().splitlines()
     (d / "split" / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n")
     # Resumed without --init_from in the plain case: the reference comes from the model the checkpoint names (before,

@@ -411,3 +411,30 @@ def test_grpo_from_a_damaged_checkpoint_is_one_line_before_any_work(base, refere
     assert f"--init_from {run}: checkpoint {(run / 'checkpoints' / tag(STEPS)).resolve()} is damaged " \
            "(zero_pp_rank_0_mp_rank_00_optim_states.pt fails its CRC check" in lines[0], lines[0]
     assert tree_digest(run) == before and not (tmp_path / "grpo").exists()
+
+
+def test_a_checkpoint_carries_the_gpus_generator(monkeypatch):
+    """The rollout decoder samples from the GPU's generator (and compiled code seeds its random numbers from it), so
+    a checkpoint saves this rank's CUDA generator with the CPU's, and a resume restores it. On a CPU the CUDA calls
+    are stood in for (they are checked for wiring: which state goes where); on a GPU machine a real draw follows."""
+    import engine.checkpoint as ck
+
+    if torch.cuda.is_available():
+        torch.cuda.init()
+        state = ck._rng_state()
+        first = torch.rand(4, device="cuda")
+        torch.rand(100, device="cuda")
+        ck._restore_rng(state)
+        assert torch.equal(torch.rand(4, device="cuda"), first)
+        return
+    saved, restored = torch.arange(8, dtype=torch.uint8), []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: saved)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", restored.append)
+    state = ck._rng_state()
+    first = torch.rand(3)
+    ck._restore_rng(state)
+    assert restored == [saved] and torch.equal(torch.rand(3), first)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # a CPU-only process saves no CUDA state
+    assert "cuda" not in ck._rng_state()
