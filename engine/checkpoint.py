@@ -125,6 +125,13 @@ class Cadence:
         self._previous = {}
 
 
+def saved_optimizer(engine) -> str | None:
+    """optimizer_kind's name for the optimizer this engine runs (None: one it does not name)."""
+    name = type(getattr(engine, "basic_optimizer", None)).__name__
+    return {"AdamWSR": "AdamWSR", "DeepSpeedCPUAdam": "DeepSpeedCPUAdam", "FusedAdam": "FusedAdam",
+            "AdamW": "torch AdamW"}.get(name)
+
+
 def _rng_state() -> dict:
     """Every generator a rank draws from: the GPU's too (the rollout decoder samples there; compiled code seeds
     its own random numbers from it)."""
@@ -187,6 +194,7 @@ def save(engine, recipe: Recipe, state: dict, tokenizer=None) -> Path:
             **state, "world_size": dist.get_world_size(), "micro_batch": engine.train_micro_batch_size_per_gpu(),
             "grad_accum": engine.gradient_accumulation_steps(),  # with micro_batch: what --resume keeps for "auto"
             "autoep_size": ep_size(engine.config), "pipeline_stages": engine.config.get("pipeline", {}).get("stages", 0),
+            "zero_stage": engine.zero_optimization_stage(), "optimizer": saved_optimizer(engine),
             "recipe": recipe.to_dict()}, indent=1))
         if tokenizer is not None:
             tokenizer.save_pretrained(root / tag / "tokenizer")
@@ -348,6 +356,48 @@ def lr_schedule(recipe: Recipe) -> tuple[Recipe, list[str]]:
     return recipe, lines
 
 
+def run_dir_problems(recipe: Recipe) -> list[str]:
+    """run_dir must be a folder this rank can write, and a run without --resume must not start over another run's
+    checkpoints: its saves would replace them tag by tag, and `latest` would end up naming a mix (or, where its last
+    tag equals theirs, its own final save would be skipped as already done)."""
+    run, root = Path(recipe.run_dir), ckpt_dir(recipe.run_dir)
+    for p in (run, root):
+        if p.exists() and not p.is_dir():
+            return [f"run_dir {run}: {p} is a file, not a folder; pass another --run_dir"]
+    there = next(p for p in (root, run, *run.absolute().parents) if p.exists())
+    if not os.access(there, os.W_OK | os.X_OK):
+        return [f"run_dir {run}: {there} is not writable by this user; pass another --run_dir"]
+    if not recipe.resume and ((root / "latest").is_file() or any(root.glob("step_*"))):
+        tag = latest(recipe.run_dir) or "none readable"
+        return [f"run_dir {run} holds another run's checkpoints (latest: {tag}); continue that run with --resume, or "
+                "start this one in another --run_dir (starting over them would overwrite them)"]
+    return []
+
+
+def optimizer_kind(ds: dict, train) -> str | None:
+    """The optimizer class a run with this resolved DS config builds (what `engine.basic_optimizer` is), as far as
+    its checkpointed state layout goes; None: not one the engine can predict (then a resume does not compare it)."""
+    from .ds_config import uses_stochastic_rounding
+
+    opt = ds.get("optimizer") or {}
+    kind = str(opt.get("type", "")).lower()
+    if kind not in ("adam", "adamw"):
+        return None
+    if uses_stochastic_rounding(ds, train):
+        return "AdamWSR"
+    if (((ds.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device") or "none") != "none":
+        return "DeepSpeedCPUAdam"
+    return "torch AdamW" if (opt.get("params") or {}).get("torch_adam") else "FusedAdam"
+
+
+def saved_zero_stage(folder: Path, saved: dict):
+    """The ZeRO stage a checkpoint was trained with: recorded, or (older checkpoints) 3 where DeepSpeed's ZeRO-3
+    layout (a model-states file per rank) is there, else 1 or 2 (one layout for both)."""
+    if "zero_stage" in saved:
+        return saved["zero_stage"]
+    return 3 if any(folder.glob("zero_pp_rank_*_model_states.pt")) else "1 or 2"
+
+
 def check_resume(recipe: Recipe, ds: dict, world_size: int, rank: int = 0) -> tuple[list[str], bool]:
     """Preflight for --resume. Returns (problems, universal): universal means the checkpoint was saved with
     another world size or expert-parallel size and must be loaded through DeepSpeed's universal format.
@@ -382,6 +432,19 @@ def check_resume(recipe: Recipe, ds: dict, world_size: int, rank: int = 0) -> tu
     if diff:
         problems.append(f"--resume: checkpoint {where} holds a different model ({', '.join(diff)}); resume with the "
                         f"recipe it was trained with (its {STATE_FILE} holds it) or use another run_dir")
+    if saved.get("step", 0) > recipe.train.max_steps:
+        problems.append(f"--resume: checkpoint {where} is at step {saved['step']}, past train.max_steps "
+                        f"({recipe.train.max_steps}); raise --max_steps to train on")
+    stage, was = (ds.get("zero_optimization") or {}).get("stage", 0), saved_zero_stage(where, saved)
+    if "pipeline" not in ds and was != stage and not (was == "1 or 2" and stage in (1, 2)):
+        problems.append(f"--resume: checkpoint {where} was trained with ZeRO stage {was}, the DeepSpeed config has "
+                        f"stage {stage} (DeepSpeed cannot load one's partitions as the other's); resume with the DS "
+                        "config it was trained with")
+    kind = optimizer_kind(ds, recipe.train)
+    if saved.get("optimizer") and kind and saved["optimizer"] != kind:
+        problems.append(f"--resume: checkpoint {where} holds {saved['optimizer']}'s state, and this DS config and "
+                        f"recipe build {kind} (DeepSpeed cannot hand one's state to the other); resume with the DS "
+                        "config (and train.stochastic_rounding) it was trained with")
     micro = ds.get("train_micro_batch_size_per_gpu", 1)
     universal = bool((ds.get("checkpoint") or {}).get("load_universal"))
     stages = (ds.get("pipeline") or {}).get("stages", 0)

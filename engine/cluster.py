@@ -70,7 +70,7 @@ def parse_hostfile(path: str | Path) -> list[Host]:
     hosts: list[Host] = []
     problems: list[str] = []
     seen: dict[str, int] = {}
-    for n, raw in enumerate(path.read_text().splitlines(), 1):
+    for n, raw in enumerate(read_text(path).splitlines(), 1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
@@ -105,13 +105,20 @@ def deepspeed_env_files(cwd: Path) -> list[Path]:
     return [p for p in (Path.home() / DS_ENV_NAME, cwd / DS_ENV_NAME) if p.is_file()]
 
 
+def read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: not UTF-8 text (byte {e.start}); write it as plain text") from None
+
+
 def read_deepspeed_env(path: Path) -> dict[str, str]:
     """KEY=VALUE lines, as DeepSpeed's runner reads them: it splits each line at its first '=' and sends
     `export KEY=VALUE;` to every node. A line without '=' (blank, a plain comment) crashes it (ValueError);
     a comment holding an '=' becomes `export # ...;`, which comments out the rest of the remote command
     line, so the job exits 0 having started nothing."""
     out = {}
-    for n, line in enumerate(path.read_text().splitlines(keepends=True), 1):
+    for n, line in enumerate(read_text(path).splitlines(keepends=True), 1):
         key, sep, value = line.partition("=")
         if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key.strip()):
             raise InputError(f"{path} line {n}: {line.strip()!r} is not KEY=VALUE; DeepSpeed's runner reads "

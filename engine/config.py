@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -327,6 +328,9 @@ def _fill(cls: type, raw: Any, where: str, problems: list[str]) -> Any:
             problems.append(f"{path}: unknown key (known: {', '.join(sorted(known))})")
         elif dataclasses.is_dataclass(hints[key]):
             setattr(obj, key, _fill(hints[key], value, path, problems))
+        elif ((isinstance(value, float) or hints[key] is float and isinstance(value, str) and _is_number(value))
+              and not math.isfinite(float(value))):
+            problems.append(f"{path}: must be a finite number, got {value}")  # NaN passes every < and > check
         elif hints[key] is float and isinstance(value, str) and _is_number(value):
             setattr(obj, key, float(value))  # YAML 1.1 reads 3e-4 (no dot) as a string
         elif not _type_ok(value, hints[key]):

@@ -38,6 +38,11 @@ PARTITION = "type:DecoderLayerPipe"
 PIPELINE_ARCHS = ("deepseek_v3", "qwen3_moe")  # engine/pipeline.py's stages, tested against ZeRO-3 for these
 
 
+# Sections the engine reads as objects (a `null` or a list there is refused before anything reads it).
+SECTIONS = ("zero_optimization", "optimizer", "bf16", "fp16", "expert_parallel", "pipeline", "compile", "checkpoint",
+            "activation_checkpointing")
+
+
 # ZeRO-3's gather settings where the file says "auto": (single rank, otherwise). On a single rank a ZeRO-3 gather is a
 # view of the rank's own partition, so keeping every gathered parameter until the step ends costs no memory and saves
 # the host the release and re-fetch bookkeeping on every module call (+10.5% for deepseek_2b6's pretraining on one
@@ -80,7 +85,12 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, ranks_per_node
     Every problem is collected and raised together as one ConfigError line.
     """
     cfg = copy.deepcopy(cfg)
-    p: list[str] = []
+    p = [f"{k}: must be an object ({{...}}), not {json.dumps(cfg[k])}" for k in SECTIONS
+         if k in cfg and not isinstance(cfg[k], dict)]
+    if p:  # what follows reads these as objects
+        raise ConfigError(f"{where}: " + "; ".join(p))
+    if (cfg.get("bf16") or {}).get("enabled") and (cfg.get("fp16") or {}).get("enabled"):
+        p.append("bf16 and fp16 are both enabled; keep one (bf16 on GPUs that have it)")
     stage = zero_stage(cfg)
     if "pipeline" not in cfg and stage not in (1, 2, 3):
         p.append(f"zero_optimization.stage ({stage}) must be 1, 2 or 3")
@@ -181,6 +191,9 @@ def resolve_optimizer(cfg: dict, recipe: Recipe, device: str = "cpu") -> list[st
     if "optimizer" not in cfg:
         p.append('optimizer: missing; add e.g. {"type": "AdamW", "params": {"lr": "auto", "weight_decay": 0.1}}')
     else:
+        if not known_optimizer(cfg["optimizer"].get("type")):
+            p.append(f"optimizer.type: {cfg['optimizer'].get('type')!r} is neither one of DeepSpeed's optimizers nor "
+                     "torch.optim's (e.g. AdamW)")
         params = cfg["optimizer"]["params"] = cfg["optimizer"].get("params") or {}
         if params.get("lr", "auto") == "auto":
             params["lr"] = recipe.train.lr
@@ -216,6 +229,15 @@ def stochastic_rounding_blocker(cfg: dict) -> str | None:
 def uses_stochastic_rounding(cfg: dict, train) -> bool:
     """train.stochastic_rounding resolved against the DS config (auto: wherever it can apply)."""
     return train is not None and train.stochastic_rounding is not False and stochastic_rounding_blocker(cfg) is None
+
+
+def known_optimizer(name) -> bool:
+    """Whether DeepSpeed can build optimizer.type `name`: its own (by lowercase name) or one of torch.optim's."""
+    import torch
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+
+    return isinstance(name, str) and (name.lower() in DEEPSPEED_OPTIMIZERS or
+                                      isinstance(getattr(torch.optim, name, None), type))
 
 
 def resolve_expert_parallel(cfg: dict, recipe: Recipe, world_size: int, stages: int, ranks_per_node: int,

@@ -321,7 +321,8 @@ def preflight(args, world: World):
         elif problem:  # auto: generate through the engine instead
             print0(f"note: {problem.split(';')[0]}: grpo.rollout auto picks engine")
             recipe = replace(recipe, grpo=replace(g, rollout="engine"))
-    if recipe.resume:  # as in pretraining: checked, and converted to the universal format on a new shape
+    problems += checkpoint.run_dir_problems(recipe)
+    if recipe.resume and not problems:  # as in pretraining: checked, and converted to the universal format on a new shape
         found, universal = checkpoint.check_resume(recipe, ds, world.size, world.rank)
         problems += found + curriculum.resume_problems(recipe.run_dir, g.curriculum, len(prompts))
         if universal:

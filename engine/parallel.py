@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import ConfigError
 from .ds_config import uses_stochastic_rounding
 from .model import compile_parameter_free
 from .watchdog import start_peer_watchdog
@@ -229,7 +230,7 @@ def check_leaf_modules(ds_config: dict, model: torch.nn.Module) -> None:
         return
     missing = sorted(set(names) - {name for name, _ in model.named_modules()})
     if missing:
-        raise ValueError(f"zero_optimization.leaf_module.names: no module named {', '.join(missing[:3])} in this "
+        raise ConfigError(f"zero_optimization.leaf_module.names: no module named {', '.join(missing[:3])} in this "
                          f"{type(model).__name__} (its decoder layers are model.layers.<i>)")
 
 

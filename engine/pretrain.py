@@ -107,7 +107,9 @@ def preflight(args: argparse.Namespace, world: World):
     if ds is not None and "pipeline" not in ds:  # this machine's memory against what the offload keeps there
         found = host_memory_problem(ds, recipe, world.size, min(world.local_size, world.size))
         problems += [f"DeepSpeed config {args.deepspeed_config}: {found}"] if found else []
-    if ds is not None and recipe.resume:
+    if recipe is not None:
+        problems += checkpoint.run_dir_problems(recipe)
+    if ds is not None and recipe.resume and not problems:
         found, universal = checkpoint.check_resume(recipe, ds, world.size, world.rank)
         problems += found
         if universal:

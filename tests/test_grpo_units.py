@@ -382,3 +382,25 @@ def test_parameter_free_functions_compiled_for_varying_lengths_trace_once(monkey
         assert graphs[2] == graphs[0], graphs
     else:
         assert graphs[1] > graphs[0], graphs  # what lengths_vary saves
+
+
+def test_policy_update_on_two_ranks_gives_each_aggregations_whole_batch_loss(tmp_path):
+    """engine/grpo.py policy_update on the rank pool's 2 CPU ranks (tests/scripts/grpo_norm_ranks.py), through a fake
+    engine that takes the loss as DeepSpeed does (backward of loss / gradient_accumulation_steps, the gradients
+    averaged over the ranks), on per-rank batches of 23 and 7 response tokens: for grpo, dapo and dr_grpo the ranks'
+    averaged gradient and effective loss are those of the aggregation's loss over both ranks' rows in one batch
+    (engine/grpo_math.py's definitions, computed by hand). Dropping run.world.size from the DAPO normalizer halves
+    dapo's; a rank-local token count (no all-reduce in response_tokens) gives each rank's token mean, not the global
+    one."""
+    from conftest import run_ranks
+
+    out = tmp_path / "norm.json"
+    run_ranks(2, ROOT / "tests" / "scripts" / "grpo_norm_ranks.py", out, cwd=tmp_path, timeout=300)
+    got = json.loads(out.read_text())
+    assert got["tokens"] == [23, 7], got["tokens"]
+    wants = [got[a]["want_loss"] for a in ("grpo", "dapo", "dr_grpo")]
+    assert len({round(w, 6) for w in wants}) == 3, wants  # three different losses: each comparison can fail
+    for aggregation in ("grpo", "dapo", "dr_grpo"):
+        g = got[aggregation]
+        assert abs(g["loss"] - g["want_loss"]) <= 1e-5 * max(1.0, abs(g["want_loss"])), (aggregation, g)
+        assert g["grad_err"] <= 1e-5 * g["grad_max"] and g["grad_max"] > 1e-3, (aggregation, g)

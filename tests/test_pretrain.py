@@ -115,13 +115,14 @@ def test_leaf_module_names_missing_from_the_model_are_refused():
     """DeepSpeed only logs a warning for a leaf name it does not find, then hooks that module's insides one by one."""
     from transformers import AutoModelForCausalLM
 
+    from engine.config import ConfigError
     from engine.model import make_hf_config
     from engine.parallel import check_leaf_modules
 
     model = AutoModelForCausalLM.from_config(make_hf_config(load_recipe(None, {"model.num_layers": 2}).model))
     ok = {"zero_optimization": {"leaf_module": {"names": ["model.layers.0", "model.layers.1"]}}}
     check_leaf_modules(ok, model)
-    with pytest.raises(ValueError, match=r"leaf_module.names: no module named model.layers.2 in this "):
+    with pytest.raises(ConfigError, match=r"leaf_module.names: no module named model.layers.2 in this "):
         check_leaf_modules({"zero_optimization": {"leaf_module": {"names": ["model.layers.2"]}}}, model)
 
 

@@ -304,19 +304,23 @@ def test_resume_on_one_rank_from_a_two_rank_checkpoint(base, reference, stopped)
         assert abs(r["loss"] - ref["loss"]) < 5e-6 * ref["loss"], (r, ref)
 
 
-def resume_rank0(base: Path, run: Path, capfd, monkeypatch, recipe: Path | None = None) -> subprocess.CompletedProcess:
+def resume_rank0(base: Path, run: Path, capfd, monkeypatch, recipe: Path | None = None, ds: Path | None = None,
+                 resume: bool = True) -> subprocess.CompletedProcess:
     """bin/pretrain.py --resume as the launcher would start rank 0 of 2 ranks (preflight stops it alone): its main in
-    this process (conftest.run_in_process). Through the real launcher: test_damaged_checkpoint_through_the_launcher."""
+    this process (conftest.run_in_process). Through the real launcher: test_damaged_checkpoint_through_the_launcher.
+    `resume` False: the same command without --resume."""
     from engine.pretrain import main
 
-    argv = ["--deepspeed_config", base / "ds2.json", "--config", recipe or base / "recipe.yaml", "--run_dir", run,
-            "--resume"]
+    argv = ["--deepspeed_config", ds or base / "ds2.json", "--config", recipe or base / "recipe.yaml", "--run_dir",
+            run, *(["--resume"] if resume else [])]
     return run_in_process(main, argv, capfd, monkeypatch, cwd=base, RANK=0, LOCAL_RANK=0, WORLD_SIZE=2, LOCAL_SIZE=2)
 
 
-def damage(run: Path, case: str, tmp_path: Path) -> Path | None:
-    """Break a copy of a finished run the way `case` says; returns a recipe to use, if another one."""
+def damage(base: Path, run: Path, case: str, tmp_path: Path) -> dict:
+    """Break a copy of a finished run, or the command resuming it, the way `case` says; returns resume_rank0's
+    arguments for that (another recipe or DS config, no --resume)."""
     last = run / "checkpoints" / tag(STEPS)
+    ds = json.loads((base / "ds2.json").read_text())
     if case == "no_checkpoint":
         shutil.rmtree(run / "checkpoints")
     elif case == "truncated":
@@ -332,8 +336,21 @@ def damage(run: Path, case: str, tmp_path: Path) -> Path | None:
     elif case == "other_model":
         recipe = tmp_path / "other.yaml"
         recipe.write_text(RECIPE.replace("hidden_size: 64", "hidden_size: 96"))
-        return recipe
-    return None
+        return {"recipe": recipe}
+    elif case == "past_max_steps":
+        recipe = tmp_path / "shorter.yaml"
+        recipe.write_text(RECIPE.replace(f"max_steps: {STEPS}", f"max_steps: {STEPS - 2}"))
+        return {"recipe": recipe}
+    elif case in ("other_stage", "other_optimizer"):
+        z = ds["zero_optimization"]
+        z.update({"stage": 2} if case == "other_stage" else {"offload_optimizer": {"device": "cpu"}})
+        if case == "other_stage":
+            z.pop("leaf_module", None)
+        (tmp_path / "other_ds.json").write_text(json.dumps(ds))
+        return {"ds": tmp_path / "other_ds.json"}
+    elif case == "no_resume":
+        return {"resume": False}
+    return {}
 
 
 @pytest.mark.parametrize("case, expect", [
@@ -342,13 +359,17 @@ def damage(run: Path, case: str, tmp_path: Path) -> Path | None:
     ("truncated", "zero_pp_rank_1_mp_rank_00_optim_states.pt has"),
     ("flipped_byte", "zero_pp_rank_0_mp_rank_00_optim_states.pt fails its CRC check"),
     ("missing_file", "rng_rank1.pt is missing"),
+    ("past_max_steps", f"is at step {STEPS}, past train.max_steps ({STEPS - 2}); raise --max_steps"),
+    ("other_stage", "was trained with ZeRO stage 3, the DeepSpeed config has stage 2"),
+    ("other_optimizer", "holds torch AdamW's state, and this DS config and recipe build DeepSpeedCPUAdam"),
+    ("no_resume", f"holds another run's checkpoints (latest: {tag(STEPS)}); continue that run with --resume"),
 ])
 def test_bad_resume_is_one_clear_line_before_any_work(base, reference, tmp_path, case, expect, capfd, monkeypatch):
     run = tmp_path / "run"
     shutil.copytree(base / "ref", run)
-    recipe = damage(run, case, tmp_path)
+    changed = damage(base, run, case, tmp_path)
     before = tree_digest(run)
-    p = resume_rank0(base, run, capfd, monkeypatch, recipe)
+    p = resume_rank0(base, run, capfd, monkeypatch, **changed)
     assert p.returncode == 2, p.stderr[-3000:]
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], p.stderr[-3000:]
@@ -361,7 +382,7 @@ def test_damaged_checkpoint_through_the_launcher(base, reference, tmp_path):
     """Both ranks stop in preflight; the launcher passes on exit code 2."""
     run = tmp_path / "run"
     shutil.copytree(base / "ref", run)
-    damage(run, "truncated", tmp_path)
+    damage(base, run, "truncated", tmp_path)
     before = tree_digest(run)
     p = subprocess.run(list(map(str, [DEEPSPEED, "--master_port", free_port(), "--num_gpus", 2, PRETRAIN,
                                       "--deepspeed_config", base / "ds2.json", "--config", base / "recipe.yaml",
@@ -401,7 +422,7 @@ def test_grpo_from_a_damaged_checkpoint_is_one_line_before_any_work(base, refere
 
     run = tmp_path / "run"
     shutil.copytree(base / "ref", run)
-    damage(run, "flipped_byte", tmp_path)
+    damage(base, run, "flipped_byte", tmp_path)
     before = tree_digest(run)
     argv = ["--deepspeed_config", ROOT / "ds_configs" / "zero3_grpo.json", "--config",
             ROOT / "engine" / "recipes" / "grpo_tiny.yaml", "--init_from", run, "--run_dir", tmp_path / "grpo"]

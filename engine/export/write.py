@@ -35,11 +35,15 @@ def export(checkpoint_dir: str | Path, output_dir: str | Path, tag: str | None =
     _check_output(out, tag_dir, force)
     ckpt = open_checkpoint(tag_dir, dtype=dtype)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.export-{os.getpid()}"
     old = out.parent / f".{out.name}.old-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise ExportError(f"output {out}: cannot write in {out.parent} ({e.strerror or type(e).__name__}); "
+                          "pass an OUTPUT_DIR in a writable folder") from None
     try:
         write_shards(ckpt, tmp, max_bytes, log)
         cfg = ckpt.hf_config
