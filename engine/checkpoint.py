@@ -444,7 +444,9 @@ def check_resume(recipe: Recipe, ds: dict, world_size: int, rank: int = 0) -> tu
     if saved.get("optimizer") and kind and saved["optimizer"] != kind:
         problems.append(f"--resume: checkpoint {where} holds {saved['optimizer']}'s state, and this DS config and "
                         f"recipe build {kind} (DeepSpeed cannot hand one's state to the other); resume with the DS "
-                        "config (and train.stochastic_rounding) it was trained with")
+                        "config it was trained with (torch AdamW: optimizer.params.torch_adam true; DeepSpeedCPUAdam: "
+                        "zero_optimization.offload_optimizer; AdamWSR: bf16 master weights and "
+                        "train.stochastic_rounding)")
     micro = ds.get("train_micro_batch_size_per_gpu", 1)
     universal = bool((ds.get("checkpoint") or {}).get("load_universal"))
     stages = (ds.get("pipeline") or {}).get("stages", 0)
