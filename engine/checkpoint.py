@@ -334,6 +334,7 @@ def lr_schedule(recipe: Recipe) -> tuple[Recipe, list[str]]:
         lines.append(f"warning: train.max_steps ({t.max_steps}) <= train.warmup_steps ({t.warmup_steps}): the whole run "
                      f"is warmup and the LR never reaches train.lr ({t.lr:g}); lower train.warmup_steps")
     saved = saved_state(recipe.run_dir) if recipe.resume else None
+    lines += data_change(recipe, saved)
     old = (saved or {}).get("recipe", {}).get("train")
     if not isinstance(old, dict) or not isinstance(saved.get("step"), int):
         return recipe, lines
@@ -354,6 +355,22 @@ def lr_schedule(recipe: Recipe) -> tuple[Recipe, list[str]]:
                      f"{then.warmup_steps} -> {t.warmup_steps}, length {length(then)} -> {length(t)}, min_lr_ratio "
                      f"{then.min_lr_ratio} -> {t.min_lr_ratio}): {jump.replace('would jump', 'jumps')}")
     return recipe, lines
+
+
+DATA_KEYS = ("path", "seq_len", "text_field", "tokenizer", "streaming", "seed", "curriculum")
+
+
+def data_change(recipe: Recipe, saved: dict | None) -> list[str]:
+    """A warning when --resume runs on another data section than the checkpoint's: the saved position (windows or
+    prompts consumed) goes on in the new data's order, which is not where the old run would have gone on."""
+    theirs = ((saved or {}).get("recipe") or {}).get("data")
+    if not isinstance(theirs, dict):
+        return []
+    ours = dataclasses.asdict(recipe.data)
+    diff = [f"data.{k}: {theirs[k]!r} -> {ours[k]!r}" for k in DATA_KEYS if k in theirs and theirs[k] != ours[k]]
+    return [f"warning: --resume with another data section than the checkpoint's ({'; '.join(diff)}): training goes on "
+            f"{saved.get('position', 0)} micro-batches per rank into the new data's order, not where the old run "
+            "would have"] if diff else []
 
 
 def run_dir_problems(recipe: Recipe) -> list[str]:

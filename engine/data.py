@@ -14,6 +14,8 @@ no rank runs dry first. The position is the number of sequences consumed (skippe
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import itertools
 import json
@@ -254,21 +256,55 @@ def build_data(d: DataConfig, tokenizer, rank: int, world: int, seed: int):
     later runs load it instead of reading and tokenizing every document again); a changed file changes the key."""
     key = None if d.streaming else packed_cache_key(d, tokenizer, seed)
     root = cache_dir()
-    if key and root and (root / f"{key}.npz").is_file():
-        try:
-            with np.load(root / f"{key}.npz") as z:
-                return PackedSequences(z["sequences"], seed, ordered=bool(z["ordered"]))
-        except (OSError, ValueError, KeyError):
-            pass  # a damaged cache file is rebuilt below
-    docs = load_documents(d)
     if d.streaming:
-        return StreamedSequences(docs, tokenizer, d, rank, world, seed)
+        return StreamedSequences(load_documents(d), tokenizer, d, rank, world, seed)
+    with cache_lock(root, key):  # the first rank (of every launch on this machine) packs; the others wait, then load
+        if key and root and (root / f"{key}.npz").is_file():
+            try:
+                with np.load(root / f"{key}.npz") as z:
+                    return PackedSequences(z["sequences"], seed, ordered=bool(z["ordered"]))
+            except (OSError, ValueError, KeyError):
+                pass  # a damaged cache file is rebuilt below
+        return pack_corpus(d, tokenizer, seed, root, key)
+
+
+@contextlib.contextmanager
+def cache_lock(root: Path | None, key: str | None):
+    """An exclusive lock on the cache entry `key` for as long as the block runs (none without a cache, or where the
+    file system has no locks)."""
+    if not key or not root:
+        yield
+        return
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        f = open(root / f"{key}.lock", "w")
+    except OSError:
+        yield
+        return
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
+
+
+def pack_corpus(d: DataConfig, tokenizer, seed: int, root: Path | None, key: str | None) -> "PackedSequences":
+    """Read, tokenize and pack map-style data (and keep it in the cache under `key`)."""
+    docs = load_documents(d)
 
     def tokenize(batch: dict, rows: list[int]) -> dict:
         texts = [as_text(t, d, f"row {i + 1}") for i, t in zip(rows, batch[d.text_field])]
         return {"ids": tokenizer(texts)["input_ids"]}
 
-    tokenized = docs.map(tokenize, batched=True, with_indices=True, remove_columns=docs.column_names, desc="tokenizing")
+    try:
+        tokenized = docs.map(tokenize, batched=True, with_indices=True, remove_columns=docs.column_names,
+                             desc="tokenizing")
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001  (what a row past the checked head can raise: bad bytes, bad types)
+        raise ConfigError(f"data.path {d.path}: cannot read every row ({cause(e)}); preflight checks the files' "
+                          "heads only: fix the file") from None
     ids = tokenized["ids"]
     keys = document_keys(d.curriculum, docs, ids, d.path)  # data.curriculum: None when off
     if keys is not None:

@@ -57,6 +57,10 @@ def check_corpus(d: DataConfig, tok, batch: int | None, data_parallel: int) -> l
         problem = check_score_column(d.curriculum.score_column, builder, files, s, d.path)
         if problem:
             return [problem]
+    empty = [f for f in files if os.path.getsize(f) == 0]
+    if d.streaming and empty:  # a rank whose files are all empty would stream nothing
+        return [f"data.path {d.path}: {empty[0]} is empty ({len(empty)} empty file(s)); streaming hands whole files "
+                "to ranks, so remove the empty ones"]
     split_rows = d.streaming and len(files) % data_parallel  # split_dataset_by_node: every world-th row per rank
     if split_rows and s.complete and s.rows < data_parallel:
         return [f"data.path {d.path}: {s.rows} rows in {len(files)} file(s); streaming on {data_parallel} "
@@ -166,7 +170,7 @@ def read_rows(f: str, fields: dict, limit: int, s: Sample) -> str | None:
         raw = raw[: raw.rfind(b"\n") + 1] or raw  # whole lines only, unless one line is longer than the sample
         s.complete = False
     try:
-        text = codecs.getincrementaldecoder("utf-8")().decode(raw, final=whole)
+        text = codecs.getincrementaldecoder("utf-8-sig")().decode(raw, final=whole)  # a leading BOM is no text
     except UnicodeDecodeError as e:
         return (f"not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); convert it to UTF-8 "
                 "(iconv -t UTF-8) or point at the text file")
@@ -246,7 +250,7 @@ def read_parquet(f: str, fields: dict, limit: int, s: Sample) -> str | None:
             return f"has no column {k!r} (columns: {schema.names}); " + ("set data.text_field" if len(fields) == 1 else
                                                                           "add it")
         t = schema.field(k).type
-        if not (pa.types.is_string(t) or pa.types.is_large_string(t)
+        if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
                 or (float in fields[k] and (pa.types.is_integer(t) or pa.types.is_floating(t)))):
             return f"column {k!r} holds {t}, not " + ("strings or numbers" if float in fields[k] else "strings")
     meta = pf.metadata
@@ -258,6 +262,9 @@ def read_parquet(f: str, fields: dict, limit: int, s: Sample) -> str | None:
     rows = chars = 0
     for batch in pf.iter_batches(batch_size=1024, columns=[next(iter(fields))]):
         texts = batch.column(0).to_pylist()
+        if None in texts:  # a file written without statistics: the nulls only show in the rows
+            return (f"row {rows + texts.index(None) + 1} has no {next(iter(fields))!r} (null); fix that row "
+                    "(and any other null one)")
         s.texts += texts
         rows, chars = rows + len(texts), chars + sum(map(len, texts))
         if chars > limit:

@@ -828,7 +828,8 @@ def setup(recipe: Recipe, ds: dict, tok, rewards, prompts, evals, world: World) 
     policy = build_engine(model, ds, schedule, lengths_vary=True)
     if recipe.train.compile is True:  # not "auto" until measured on a GPU: the parameter-free functions stay its default
         done = compile_layers(policy.module, dynamic=None)
-        print0(f"compile: the policy's {len(done)} decoder layers and shared experts (AutoEP eager), any length")
+        print0(f"compile: the policy's decoder layers and shared experts ({len(done)} functions; AutoEP eager), any "
+               "length")
     ref = build_reference(policy, recipe, ds, tok, world.size) if g.beta > 0 else None
     micro = policy.train_micro_batch_size_per_gpu()
     n_seq = micro * policy.gradient_accumulation_steps()

@@ -45,9 +45,13 @@ def refused(main, argv, capfd, run) -> str:
 
 
 def pretrain_refuses(tmp_path, monkeypatch, capfd, data, world: int = 1, recipe: str | None = None, ds=ZERO3) -> str:
+    import engine.pretrain
     from engine.pretrain import main
 
     as_rank0(monkeypatch, world)
+    # Rank 0 of `world` alone: no other rank to tell (as conftest.run_in_process; before, a world of 2 passed only
+    # where an earlier test of the same worker had left a process group behind).
+    monkeypatch.setattr(engine.pretrain, "fail_together", lambda world, problem: str(problem))
     argv = ["--deepspeed_config", ds, "--data", data, "--max_steps", "1"]
     if recipe is not None:
         (tmp_path / "recipe.yaml").write_text(recipe)
@@ -131,6 +135,36 @@ def test_parquet_without_string_text(tmp_path, monkeypatch, capfd):
     assert "column 'text' holds int64, not strings" in line
 
 
+def test_parquet_nulls_without_statistics_bom_and_string_view(tmp_path, monkeypatch, capfd):
+    """A Parquet file written without column statistics shows its nulls only in its rows: still one line naming the
+    row. A UTF-8 BOM before a JSON line and a Parquet string_view column are text (datasets reads both): accepted."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from engine.data_check import check_corpus
+    from engine.config import DataConfig
+
+    pq.write_table(pa.table({"text": [STORY, STORY, None]}), tmp_path / "n.parquet", write_statistics=False)
+    line = pretrain_refuses(tmp_path, monkeypatch, capfd, tmp_path / "n.parquet")
+    assert f"data.path {tmp_path}/n.parquet: row 3 has no 'text' (null); fix that row" in line
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps({"text": STORY}) + "\n"
+                                                                   for _ in range(50)).encode())
+    pq.write_table(pa.table({"text": pa.array([STORY] * 50, type=pa.string_view())}), tmp_path / "view.parquet")
+    for f in ("bom.jsonl", "view.parquet"):
+        assert check_corpus(DataConfig(path=str(tmp_path / f), seq_len=16), None, None, 1) == [], f
+
+
+def test_streaming_an_empty_file_is_refused(tmp_path, monkeypatch, capfd):
+    """Streaming hands whole files to ranks: with 2 files on 2 ranks, an empty one would leave a rank nothing to
+    read after it had started (it passed preflight: the file count is a multiple of the ranks)."""
+    (tmp_path / "d").mkdir()
+    jsonl(tmp_path / "d" / "a.jsonl", [{"text": f"{STORY} {i}"} for i in range(200)])
+    (tmp_path / "d" / "b.jsonl").write_text("")
+    recipe = TINY.replace("seq_len: 128", "seq_len: 128\n  streaming: true")
+    line = pretrain_refuses(tmp_path, monkeypatch, capfd, tmp_path / "d", world=2, recipe=recipe)
+    assert f"data.path {tmp_path / 'd'}: {tmp_path / 'd' / 'b.jsonl'} is empty (1 empty file(s))" in line
+
+
 def test_streaming_one_file_with_fewer_rows_than_ranks_is_refused(tmp_path, monkeypatch, capfd):
     f = jsonl(tmp_path / "c.jsonl", [{"text": STORY * 40}])
     recipe = TINY.replace("seq_len: 128", "seq_len: 128\n  streaming: true")
@@ -162,6 +196,50 @@ def test_map_style_rows_past_the_checked_head_are_named_when_tokenized(tmp_path)
     d = DataConfig(path=jsonl(tmp_path / "c.jsonl", rows), seq_len=32)
     with pytest.raises(ConfigError, match=r"data.path .*c.jsonl: row 34 has text = None, not a string; fix that row"):
         build_data(d, load_tokenizer(d.tokenizer), 0, 1, 0)
+
+
+def test_bytes_that_are_not_utf8_past_the_checked_head_are_one_config_error(tmp_path):
+    """The JSON reader passes a Latin-1 byte through; the text column's decode fails inside the tokenizing map. That
+    is one ConfigError naming the file (main() reports it in one line, exit 2), not a UnicodeDecodeError traceback."""
+    from engine.config import ConfigError, DataConfig
+    from engine.data import build_data, load_tokenizer
+
+    f = tmp_path / "c.jsonl"
+    f.write_bytes("".join(json.dumps({"text": f"{STORY} {i}"}) + "\n" for i in range(40)).encode()
+                  + b'{"text": "caf\xe9"}\n')
+    d = DataConfig(path=str(f), seq_len=32)
+    with pytest.raises(ConfigError, match=r"data.path .*c.jsonl: cannot read every row \(.*preflight checks the "):
+        build_data(d, load_tokenizer(d.tokenizer), 0, 1, 0)
+
+
+def test_the_first_rank_packs_and_the_others_load_its_cache(tmp_path, monkeypatch):
+    """Two ranks of a launch building the same corpus at once: one reads and packs it, the other waits on the cache
+    entry's lock and loads what the first wrote (before: every rank packed the whole corpus)."""
+    import threading
+
+    import engine.data as data
+    from engine.config import DataConfig
+
+    monkeypatch.setenv("MOE_ENGINE_CACHE", str(tmp_path / "cache"))
+    d = DataConfig(path=jsonl(tmp_path / "c.jsonl", [{"text": f"{STORY} {i}"} for i in range(40)]), seq_len=16)
+    tok = data.load_tokenizer(d.tokenizer)
+    packed, real = [], data.pack_corpus
+
+    def counted(*a, **k):
+        packed.append(threading.get_ident())
+        out = real(*a, **k)
+        threading.Event().wait(0.5)  # still holding the lock when the other rank asks
+        return out
+
+    monkeypatch.setattr(data, "pack_corpus", counted)
+    got = [None, None]
+    threads = [threading.Thread(target=lambda r=r: got.__setitem__(r, data.build_data(d, tok, r, 2, 0)))
+               for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(packed) == 1 and np.array_equal(got[0].sequences, got[1].sequences) and len(got[0].sequences) > 0
 
 
 def test_packed_corpus_is_cached_and_a_changed_file_is_packed_again(tmp_path, monkeypatch):

@@ -60,6 +60,25 @@ def test_a_schedule_changed_on_purpose_is_used_and_its_jump_printed(tmp_path):
                      "100 -> 200, min_lr_ratio 0.1 -> 0.1): the LR jumps from 3e-05 to 0.0001761 at step 101"]
 
 
+def test_a_resume_on_another_data_section_is_warned_about(tmp_path):
+    """The saved position is a count of windows (prompts in GRPO): on other data it lands elsewhere, so a --resume
+    whose data section differs from the checkpoint's says which keys changed; the same data says nothing."""
+    from engine.checkpoint import lr_schedule
+    from engine.config import DataConfig
+
+    saved_run(tmp_path, 10, max_steps=20, warmup_steps=2)
+    state = tmp_path / "checkpoints" / "step_00000010" / "engine_state.json"
+    saved = json.loads(state.read_text())
+    saved["recipe"]["data"], saved["position"] = dataclasses.asdict(DataConfig(path="a.jsonl", seq_len=128)), 10
+    state.write_text(json.dumps(saved))
+    r = recipe_for(tmp_path, True, max_steps=20, warmup_steps=2)
+    assert lr_schedule(dataclasses.replace(r, data=DataConfig(path="a.jsonl", seq_len=128)))[1] == []
+    _, lines = lr_schedule(dataclasses.replace(r, data=DataConfig(path="b.jsonl", seq_len=64)))
+    assert lines == ["warning: --resume with another data section than the checkpoint's (data.path: 'a.jsonl' -> "
+                     "'b.jsonl'; data.seq_len: 128 -> 64): training goes on 10 micro-batches per rank into the new "
+                     "data's order, not where the old run would have"]
+
+
 def test_a_run_that_is_all_warmup_is_warned_about(tmp_path):
     from engine.checkpoint import lr_schedule
 

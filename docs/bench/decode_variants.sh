@@ -12,7 +12,7 @@ RECIPE=${RECIPE:-engine/recipes/grpo_2b6.yaml}
 for v in ${VARIANTS:-unfolded=--no_fold_shared folded=}; do
   label=${v%%=*}; args=${v#*=}; args=${args//,/ }
   [ "${PROFILE:-}" = "$label" ] && args="$args --profile"
-  timeout "${T_DECODE:-150}" python3 bin/decode_bench.py --config "$RECIPE" --batch 64 --new_tokens 256 --calls 3 \
+  timeout -k 10 "${T_DECODE:-150}" python3 bin/decode_bench.py --config "$RECIPE" --batch 64 --new_tokens 256 --calls 3 \
     --record_routes --min_new_tokens $args --out "$OUT/rows_$label.jsonl" 2>&1 \
     | grep -vE "Warning|warn|^W[0-9]" | sed "s/^/$label: /" >> "$OUT/decode_variants.txt"
   grep -E "^$label: (call|decoder)" "$OUT/decode_variants.txt"

@@ -113,7 +113,7 @@ else:
         timed = rows[2:] or rows
         tps = statistics.median(r["tokens_per_s"] for r in timed)
         mfu = statistics.median(r["mfu"] for r in timed) if all("mfu" in r for r in timed) else None
-        base = tps if n == "false" else base
+        base = tps if n.split("_sr_")[0] == "false" else base
         print(f"| {n} | {len(rows)} | {tps:.0f} | {f'{tps / base:.3f}' if base and n != 'false' else '-'} | "
               f"{f'{100 * mfu:.1f}%' if mfu is not None else '-'} | {max(r.get('peak_mem_gib') or 0 for r in rows)} | "
               f"{summ.get('host_ram_gib', '-')} | {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f} |")

@@ -84,6 +84,9 @@ def trl_ds_config(path: str, bf16: bool, world: int, device: str) -> tuple[dict,
         ds = json.load(f)
     ds.pop("expert_parallel", None)
     resolve_zero3_gather(ds, world, device)
+    zero = ds.get("zero_optimization") or {}
+    if zero.get("leaf_module") == "auto":  # the engine's own value (decoder-layer leaves); TRL runs as its users
+        del zero["leaf_module"]            # would, with DeepSpeed's hook per module (accelerate refuses the "auto")
     targs = {}
     opt = ds.get("optimizer", {}).get("params", {})
     if "betas" in opt and opt["betas"] != "auto":

@@ -16,6 +16,7 @@ DS="python3 -m deepspeed.launcher.runner"
 R=${RECIPE:-engine/recipes/deepseek_2b6.yaml}
 STEPS=${STEPS:-6}; WARMUP=${WARMUP:-2}; LOSS_STEPS=${LOSS_STEPS:-50}
 END=$((SECONDS + ${BUDGET_S:-570})); LOG=$OUT/logs.txt; PORT=29800
+. docs/bench/gpu_env.sh deepspeed  # DeepSpeed from .whl/ where the machine has none (its time counts in BUDGET_S)
 Z3="--deepspeed_config ds_configs/zero3.json --config $R"
 run() {  # run LABEL LIMIT ARGS...: one bin/bench.py run, a row in $OUT/levers.jsonl (or $ROWS)
   local label=$1 lim=$2; shift 2; PORT=$((PORT + 1))
