@@ -68,14 +68,15 @@ def data_files(path: str) -> tuple[str, list[str]]:
     return kinds.pop(), [str(f) for f in files]
 
 
-def load_documents(d: DataConfig, streaming: bool | None = None):
+def load_documents(d: DataConfig, streaming: bool | None = None, files: list[str] | None = None):
+    """data.path's documents (`files`: only these of its local files)."""
     import datasets
 
     streaming = d.streaming if streaming is None else streaming
     try:
         if looks_local(d.path):
-            builder, files = data_files(d.path)
-            ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=streaming)
+            builder, found = data_files(d.path)
+            ds = datasets.load_dataset(builder, data_files=files or found, split="train", streaming=streaming)
         else:
             ds = datasets.load_dataset(d.path, split=d.split, streaming=streaming)
     except ConfigError:
@@ -162,7 +163,14 @@ class StreamedSequences:
     def __init__(self, docs, tokenizer, d: DataConfig, rank: int, world: int, seed: int):
         from datasets.distributed import split_dataset_by_node
 
-        self.docs = split_dataset_by_node(docs.shuffle(seed=seed, buffer_size=1000), rank=rank, world_size=world)
+        files = data_files(d.path)[1] if looks_local(d.path) else []
+        if world > 1 and files and len(files) % world == 0:
+            # Local files in a multiple of the ranks: rank r keeps files r, r + world, ... for every epoch (datasets'
+            # split_dataset_by_node deals the files out anew each epoch, and ranks whose shares differ in size count
+            # epochs apart, so two ranks could read one file at once while another went unread).
+            self.docs = load_documents(d, files=files[rank::world]).shuffle(seed=seed, buffer_size=1000)
+        else:  # fewer files than ranks (every rank reads every world-th row), or a hub dataset's shards
+            self.docs = split_dataset_by_node(docs.shuffle(seed=seed, buffer_size=1000), rank=rank, world_size=world)
         self.tok, self.d, self.rank, self.world = tokenizer, d, rank, world
 
     def rows(self, epoch: int) -> Iterator[dict]:

@@ -185,6 +185,28 @@ def test_streaming_one_file_on_two_ranks_splits_its_rows(tmp_path):
     assert len(shares[0]) == len(shares[1]) == 5 and not set(shares[0]) & set(shares[1])
 
 
+def test_streaming_ranks_keep_their_own_files_in_every_epoch(tmp_path):
+    """Two files of 400 and 20 rows on 2 ranks: each rank streams one file, the same one in every epoch, so the ranks
+    never read a file at once (datasets' split_dataset_by_node dealt the files out anew per epoch: a rank that had
+    finished more epochs read the file another rank was still reading)."""
+    from engine.config import DataConfig
+    from engine.data import StreamedSequences, load_documents, load_tokenizer
+
+    (tmp_path / "d").mkdir()
+    jsonl(tmp_path / "d" / "a.jsonl", [{"text": f"a{i}"} for i in range(400)])
+    jsonl(tmp_path / "d" / "b.jsonl", [{"text": f"b{i}"} for i in range(20)])
+    d = DataConfig(path=str(tmp_path / "d"), streaming=True)
+    tok = load_tokenizer(d.tokenizer)
+    per_epoch = []
+    for rank in (0, 1):
+        s = StreamedSequences(load_documents(d), tok, d, rank, 2, 0)
+        per_epoch.append([{r["text"][0] for r in s.rows(epoch)} for epoch in range(5)])
+    assert per_epoch == [[{"a"}] * 5, [{"b"}] * 5], per_epoch
+    first = [r["text"] for r in StreamedSequences(load_documents(d), tok, d, 1, 2, 0).rows(0)]
+    second = [r["text"] for r in StreamedSequences(load_documents(d), tok, d, 1, 2, 0).rows(1)]
+    assert sorted(first) == sorted(second) and first != second  # every epoch all of the rank's rows, reshuffled
+
+
 def test_map_style_rows_past_the_checked_head_are_named_when_tokenized(tmp_path):
     """Map-style data is read whole by every rank before the model is built: a row without text past preflight's
     sample is one ConfigError naming the row (main() reports it in one line, exit 2), not the tokenizer's TypeError."""
