@@ -7,7 +7,8 @@
 Each run appends one JSON row to --out and prints the table of every row in that file, so a baseline and
 the engine measured one after the other land in one table. Columns:
   tokens/s/GPU   tokens per second per rank, over the timed steps (after --warmup steps)
-  MFU            model FLOPs per second per GPU / 989 TFLOP/s (H100/H200 dense bf16). Model FLOPs per token =
+  MFU            model FLOPs per second per GPU / the GPU's dense bf16 peak (engine/flops.py: 989 TFLOP/s on an
+                 H100/H200 SXM, 756 on an H100 PCIe, ...; 989 where the device is not listed). Model FLOPs per token =
                  6 x active non-embedding parameters (every parameter except the input embedding; routed
                  experts counted at experts_per_token / num_experts) + attention: 3 (fwd+bwd) x layers x
                  2 x seq_len x heads x (qk_head_dim + v_head_dim) (no causal discount, as in PaLM)
@@ -45,7 +46,7 @@ from engine.devprof import idle_report  # noqa: E402
 from engine.metrics import DeviceClock  # noqa: E402
 from engine.parallel import device_kind, init_distributed, world_from_env  # noqa: E402
 from engine import pipeline, pretrain  # noqa: E402
-from engine.flops import H100_SXM_BF16_TFLOPS as PEAK_TFLOPS, model_flops_per_token  # noqa: E402
+from engine.flops import H100_SXM_BF16_TFLOPS, model_flops_per_token, peak_tflops  # noqa: E402
 from engine.proc import print_error  # noqa: E402
 
 
@@ -148,12 +149,13 @@ def main() -> int:
     tokens_per_rank = args.steps * engine.train_batch_size() * recipe.data.seq_len / world.size
     flops_tok, total, active = model_flops_per_token(engine, engine.module.config, recipe.data.seq_len, ep)
     tps = tokens_per_rank / elapsed
+    peak = peak_tflops(engine.device) or H100_SXM_BF16_TFLOPS
     row = {"label": args.label, "recipe": Path(args.config or "tiny.yaml").name, "ds_config": Path(args.deepspeed_config).name,
            "autoep": not args.no_autoep and bool(ds.get("expert_parallel")), "ep": ep, "world": world.size, "stages": pipeline.num_stages(ds),
            "micro": micro, "accum": accum, "seq": recipe.data.seq_len, "vocab": engine.module.config.vocab_size,
            "head": "plain" if args.plain_head else "chunked", "device": acc.device_name(),
            "params_m": round(total / 1e6, 3), "active_m": round(active / 1e6, 3),
-           "tokens_per_s_per_gpu": round(tps), "mfu": float(f"{tps * flops_tok / (PEAK_TFLOPS * 1e12):.4g}"),
+           "tokens_per_s_per_gpu": round(tps), "mfu": float(f"{tps * flops_tok / (peak * 1e12):.4g}"),
            **{f"{k}_ms": round(1000 * v / args.steps, 1) if v else None for k, v in times.items()},
            "peak_gib": round(acc.max_memory_allocated() / 2**30, 2), "loss": round(loss.item(), 4),
            "losses": [round(float(x), 4) for x in losses[:args.warmup + args.steps]],

@@ -1,8 +1,9 @@
 """Model FLOPs per token and MFU: one count for bin/pretrain.py's metrics, bin/bench.py and the benchmark scripts.
 
 FLOPs per token = 6 x active non-embedding parameters (the output layer included; routed experts at top-k / experts)
-+ 3 x layers x 2 x seq x heads x (qk head dim + v head dim) for attention. Recomputation (activation checkpointing)
-is not counted: this is model FLOPs, the MFU convention.
++ 3 x softmax-attention layers x 2 x seq x heads x (qk head dim + v head dim) for attention: the full seq x seq
+square, no causal discount (PaLM's convention); a linear-attention layer (Qwen3.5-MoE's Gated DeltaNet) counts its
+projections only. Recomputation (activation checkpointing) is not counted: this is model FLOPs, the MFU convention.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ H100_SXM_BF16_TFLOPS = 989.0  # dense bf16 peak of an H100 SXM, and of the H200 
 # Dense bf16 peak (TFLOP/s, no sparsity) by the GPU model in the device's name, first match wins (the PCIe and NVL
 # H100s and H200s are slower than the SXM ones); MFU is left out on any other device.
 PEAK_BF16_TFLOPS = ((r"H100 PCIe", 756.0), (r"H100 NVL", 835.0), (r"H100", H100_SXM_BF16_TFLOPS),
-                    (r"H200 NVL", 835.0), (r"H200", H100_SXM_BF16_TFLOPS), (r"H800", H100_SXM_BF16_TFLOPS),
+                    (r"H200 NVL", 835.0), (r"H200", H100_SXM_BF16_TFLOPS), (r"H800 PCIe", 756.0),
+                    (r"H800", H100_SXM_BF16_TFLOPS),
                     (r"H20", 148.0), (r"A100", 312.0), (r"A800", 312.0))
 
 
@@ -39,7 +41,9 @@ def model_flops_per_token(engine, cfg, seq_len: int, ep: int) -> tuple[float, fl
     heads = cfg.num_attention_heads
     qk = getattr(cfg, "qk_head_dim", None) or getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     v = getattr(cfg, "v_head_dim", None) or qk
-    attn = 3 * cfg.num_hidden_layers * 2 * seq_len * heads * (qk + v)
+    types = getattr(cfg, "layer_types", None)  # Qwen3.5-MoE: "full_attention" or "linear_attention" per layer
+    softmax_layers = sum(t != "linear_attention" for t in types) if types else cfg.num_hidden_layers
+    attn = 3 * softmax_layers * 2 * seq_len * heads * (qk + v)
     return 6 * active + attn, total, active
 
 

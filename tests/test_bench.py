@@ -101,6 +101,53 @@ def test_profile_shares_classify_ops_and_kernels_and_skip_stall_markers():
     assert "dense GEMMs" in lines[1] and "grouped GEMMs" in lines[2] and "optimizer" in lines[5]
 
 
+def flops_of(recipe: str, cfg=None):
+    """engine/flops.py's count for a recipe's model, built on the meta device (no weights); `cfg`: count against this
+    config instead of the model's own (the parameters stay the model's)."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.config import load_recipe
+    from engine.flops import model_flops_per_token
+    from engine.model import make_hf_config
+
+    r = load_recipe(ROOT / "engine" / "recipes" / recipe)
+    own = make_hf_config(r.model)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(own)
+    return model_flops_per_token(SimpleNamespace(module=model, config={}), cfg or own, r.data.seq_len, 1)[0], own, r
+
+
+def test_the_flop_count_is_the_hand_count():
+    """deepseek_2b6 counted by hand from its shapes: 6 x active parameters (MLA projections, the dense first layer,
+    top-4 of 32 routed + 2 shared experts, router, output layer; not the embedding) + the full seq x seq attention
+    (qk 192, v 128), within the norms' weights. Qwen3.5-MoE: only its full-attention layers pay seq x seq (its Gated
+    DeltaNet layers are linear attention)."""
+    import copy
+
+    got, c, r = flops_of("deepseek_2b6.yaml")
+    h, L, H, s = c.hidden_size, c.num_hidden_layers, c.num_attention_heads, r.data.seq_len
+    qk, v = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
+    attn_proj = (h * c.q_lora_rank + c.q_lora_rank * H * qk + h * (c.kv_lora_rank + c.qk_rope_head_dim)
+                 + c.kv_lora_rank * H * (c.qk_nope_head_dim + v) + H * v * h)
+    dense = 3 * h * c.intermediate_size
+    moe = (c.num_experts_per_tok + c.n_shared_experts) * 3 * h * c.moe_intermediate_size + c.n_routed_experts * h
+    k = c.first_k_dense_replace
+    active = L * attn_proj + k * dense + (L - k) * moe + c.vocab_size * h
+    want = 6 * active + 3 * L * 2 * s * H * (qk + v)
+    assert abs(got - want) < 1e-3 * want, (got, want)
+
+    got35, c35, r35 = flops_of("tiny_qwen3_5.yaml")
+    linear = sum(t == "linear_attention" for t in c35.layer_types)
+    assert 0 < linear < c35.num_hidden_layers
+    every = copy.deepcopy(c35)
+    every.layer_types = ["full_attention"] * c35.num_hidden_layers
+    per_layer = 3 * 2 * r35.data.seq_len * c35.num_attention_heads * 2 * c35.head_dim
+    assert flops_of("tiny_qwen3_5.yaml", every)[0] - got35 == per_layer * linear
+
+
 def test_mfu_peak_comes_from_the_gpu_model_by_whole_name():
     from engine.flops import H100_SXM_BF16_TFLOPS, peak_for_name
 
@@ -108,4 +155,5 @@ def test_mfu_peak_comes_from_the_gpu_model_by_whole_name():
     assert peak_for_name("NVIDIA H20") == 148.0  # not an H200
     assert peak_for_name("NVIDIA H100 PCIe") == 756.0 and peak_for_name("NVIDIA H200 NVL") == 835.0
     assert peak_for_name("NVIDIA A100-SXM4-80GB") == 312.0
+    assert peak_for_name("NVIDIA H800 PCIe") == 756.0 and peak_for_name("NVIDIA H800") == H100_SXM_BF16_TFLOPS
     assert peak_for_name("NVIDIA L4") is None  # no MFU rather than a wrong one

@@ -82,8 +82,8 @@ W=$W python3 - "$OUT" ${RECIPES:-mixtral_8x7b_l3 deepseek_v2_lite_l8 qwen3_5_35b
 import json, statistics, sys
 out = sys.argv[1]
 def flops_per_token(rec):
-    """6 x active parameters (embedding excluded, routed experts at k/E) + causal attention's 3 x 2 x seq x heads x
-    (qk + v) per layer: the formula of docs/bench/vocab_pretrain.sh, at H200 bf16 dense peak 989 TFLOP/s."""
+    """6 x active parameters (embedding excluded, routed experts at k/E) + attention's 3 x 2 x seq x heads x
+    (qk + v) per softmax-attention layer (the full square, no causal discount): the formula of docs/bench/vocab_pretrain.sh, at H200 bf16 dense peak 989 TFLOP/s."""
     import os
     from pathlib import Path
     import torch
