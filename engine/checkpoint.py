@@ -36,6 +36,7 @@ from .ds_config import ep_size
 STATE_FILE = "engine_state.json"
 MANIFEST = "manifest.json"
 BUFFERS = "buffers.pt"
+INIT_DIR = "init_model"  # a model.init_from run's config.json and generation_config.json, as trained (the export's)
 STOP_FILE = "STOP"  # RUN_DIR/STOP: save at the next step boundary and end the run with exit 0 (Cadence)
 UNIVERSAL = "universal"
 
@@ -125,6 +126,19 @@ class Cadence:
         self._previous = {}
 
 
+def save_init_config(engine, recipe: Recipe, folder: Path) -> None:
+    """For a model.init_from run: the config the model trained with and the init model's generation config, so the
+    export does not read them from an init folder that may have changed, moved, or be relative to another cwd."""
+    cfg = getattr(engine.module, "config", None)
+    if not recipe.model.init_from or cfg is None:
+        return
+    folder.mkdir()
+    cfg.to_json_file(folder / "config.json")
+    gen = Path(recipe.model.init_from, "generation_config.json")
+    if gen.is_file():
+        shutil.copyfile(gen, folder / "generation_config.json")
+
+
 def saved_optimizer(engine) -> str | None:
     """optimizer_kind's name for the optimizer this engine runs (None: one it does not name)."""
     name = type(getattr(engine, "basic_optimizer", None)).__name__
@@ -198,6 +212,7 @@ def save(engine, recipe: Recipe, state: dict, tokenizer=None) -> Path:
             "recipe": recipe.to_dict()}, indent=1))
         if tokenizer is not None:
             tokenizer.save_pretrained(root / tag / "tokenizer")
+        save_init_config(engine, recipe, root / tag / INIT_DIR)
     dist.barrier()  # every rank has written its shards
     if rank == 0:
         files = _files(root / tag)

@@ -500,6 +500,10 @@ def validate(r: Recipe) -> list[str]:
                  "moe_intermediate_size", "num_experts", "experts_per_token", "vocab_size"):
         if getattr(m, name) < 1:
             p.append(f"model.{name}: must be >= 1, got {getattr(m, name)}")
+    if m.num_shared_experts < 1 and m.arch in ("deepseek_v3", "deepseek_v2", "qwen3_5_moe") and not m.init_from:
+        p.append(f"model.num_shared_experts: {m.num_shared_experts}, but transformers' {m.arch} always builds its "
+                 "shared-expert block (zero-width, it breaks ZeRO-3 and the export); set it to 1 or more, or use "
+                 "qwen3_moe or mixtral for a model without shared experts")
     if m.experts_per_token > m.num_experts:
         p.append(f"model.experts_per_token ({m.experts_per_token}) must be <= model.num_experts ({m.num_experts})")
     if m.hidden_size % max(m.num_heads, 1) and not m.init_from:

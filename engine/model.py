@@ -36,8 +36,11 @@ def make_hf_config(m: ModelConfig, tokenizer=None):
                    qk_nope_head_dim=m.qk_nope_head_dim, v_head_dim=m.v_head_dim, routed_scaling_factor=1.0)
         if m.arch == "deepseek_v2":  # softmax top-k, weights not renormalized (DeepSeek-V2's own routing)
             return AutoConfig.for_model("deepseek_v2", topk_method="greedy", **mla, **widths, **common)
+        # topk_method and scoring_func: what transformers' DeepSeek-V3 always does (sigmoid scores, the routing bias);
+        # written so that loaders that read them (vLLM, SGLang) keep the trained e_score_correction_bias
         return AutoConfig.for_model("deepseek_v3", head_dim=m.qk_rope_head_dim, n_group=1, topk_group=1,
-                                    norm_topk_prob=True, **mla, **widths, **common)
+                                    norm_topk_prob=True, topk_method="noaux_tc", scoring_func="sigmoid", **mla,
+                                    **widths, **common)
     if m.arch == "qwen3_moe":
         return AutoConfig.for_model(
             "qwen3_moe", num_experts=m.num_experts, num_key_value_heads=m.num_kv_heads,

@@ -164,6 +164,19 @@ def test_export_loads_with_the_familys_keys_and_gives_the_engines_logits(family,
     diff = (hf_logits(out) - family[2]["logits"]).abs().max().item()
     print(f"\n{family['name']}: max abs logit diff exported model vs engine = {diff:.3g}")
     assert diff <= TOL, diff
+    # The checkpoint holds the config it trained with (and the init's generation config): the export needs the init
+    # folder no more, whether it was moved, edited or named relative to another working directory.
+    init, away = Path(family["init"]), Path(str(family["init"]) + ".away")
+    init.rename(away)
+    try:
+        p = run_in_process(main, [family[2]["run"], tmp_path / "hf2"], capfd, monkeypatch)
+    finally:
+        away.rename(init)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert (hf_logits(tmp_path / "hf2") - family[2]["logits"]).abs().max().item() <= TOL
+    if (init / "generation_config.json").is_file():
+        want = json.loads((init / "generation_config.json").read_text())
+        assert json.loads((tmp_path / "hf2" / "generation_config.json").read_text()) == want
 
 
 def test_zero2_export_of_a_shared_expert_gate_gives_the_engines_logits(tmp_path, capfd, monkeypatch):
@@ -421,3 +434,16 @@ def test_grpo_on_deepseek_v2_samples_with_the_local_decoder(tmp_path):
         assert r["decode_ms_per_step"] > 0  # the local decoder generated
         assert r["rollout_logp_diff_max"] < 1e-4, r
         assert r["routing_agree_choice"] == 1.0 and r["routing_live_agree_choice"] == 1.0, r
+
+
+def test_no_shared_expert_is_refused_where_transformers_builds_one():
+    """transformers' DeepSeek-V3/V2 and Qwen3.5-MoE always build the shared-expert block: with
+    num_shared_experts 0 it was zero-wide, ZeRO-3 failed in its first step and the ZeRO-2 export refused the
+    zero-element parameters. Qwen3-MoE and Mixtral have no shared expert to build."""
+    from engine.config import ConfigError, load_recipe
+
+    for arch in ("deepseek_v3", "deepseek_v2", "qwen3_5_moe"):
+        with pytest.raises(ConfigError, match=rf"model.num_shared_experts: 0, but transformers' {arch} always builds"):
+            load_recipe(None, {"model.arch": arch, "model.num_shared_experts": 0, "train.balance_rate": 0.0})
+    for arch in ("qwen3_moe", "mixtral"):
+        load_recipe(None, {"model.arch": arch, "model.num_shared_experts": 0, "train.balance_rate": 0.0})

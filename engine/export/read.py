@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 STATE_FILE = "engine_state.json"  # engine/checkpoint.py
+INIT_DIR = "init_model"  # engine/checkpoint.py: a model.init_from run's config.json and generation_config.json
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 # AutoEP renames a Hugging Face MoE block's children (deepspeed/module_inject/auto_ep_layer.py): the router
@@ -118,7 +119,11 @@ def recorded_hf_config(tag_dir: Path, state: dict):
     raw = state["recipe"]["model"]
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     m = ModelConfig(**{k: v for k, v in raw.items() if k in known})
-    if m.init_from:
+    if (tag_dir / INIT_DIR / "config.json").is_file():  # a model.init_from run's config as it trained
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(tag_dir / INIT_DIR)
+    if m.init_from:  # checkpoints saved before INIT_DIR existed
         from transformers import AutoConfig
 
         if not Path(m.init_from, "config.json").is_file():

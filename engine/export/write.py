@@ -19,7 +19,7 @@ from pathlib import Path
 
 from . import ExportError, find_tag_dir, open_checkpoint
 from .plan import Checkpoint, numel
-from .read import DTYPES
+from .read import DTYPES, INIT_DIR
 
 
 def export(checkpoint_dir: str | Path, output_dir: str | Path, tag: str | None = None, dtype: str = "fp32",
@@ -52,7 +52,11 @@ def export(checkpoint_dir: str | Path, output_dir: str | Path, tag: str | None =
         cfg.save_pretrained(tmp)
         from transformers import GenerationConfig
 
-        GenerationConfig.from_model_config(cfg).save_pretrained(tmp)
+        gen = tag_dir / INIT_DIR / "generation_config.json"  # a model.init_from run keeps its init's (EOS ids, sampling)
+        if gen.is_file():
+            shutil.copyfile(gen, tmp / "generation_config.json")
+        else:
+            GenerationConfig.from_model_config(cfg).save_pretrained(tmp)
         if ckpt.tokenizer_dir is not None:
             for f in ckpt.tokenizer_dir.iterdir():
                 if f.is_file():
