@@ -1,7 +1,10 @@
-"""Checkpoints: DeepSpeed engine state + our client state, in RUN_DIR/checkpoints/<tag>; crash-safe, exact resume.
+"""Checkpoints: DeepSpeed engine state + the engine's client state, in RUN_DIR/checkpoints/<tag>; crash-safe, exact
+resume.
 
 Layout:  RUN_DIR/checkpoints/step_00000100/   DeepSpeed's files, rng_rank{r}.pt, engine_state.json, buffers.pt,
-                                              tokenizer/, and manifest.json (written last: every file and its size)
+                                              tokenizer/, init_model/ (model.init_from runs: the config trained
+                                              with, the init's generation config), and manifest.json (written
+                                              last: every file and its size)
          RUN_DIR/checkpoints/latest            names the newest complete tag
          RUN_DIR/checkpoints/universal/<tag>   DeepSpeed's universal form of <tag>, made when resuming on another
                                               world size or expert-parallel size
