@@ -512,6 +512,9 @@ def validate(r: Recipe) -> list[str]:
         p.append(f"model.num_heads ({m.num_heads}) must be divisible by model.num_kv_heads ({m.num_kv_heads})")
     if not 0 <= m.first_dense_layers < m.num_layers:
         p.append(f"model.first_dense_layers ({m.first_dense_layers}) must be in [0, num_layers)")
+    elif m.first_dense_layers and not m.arch.startswith("deepseek") and not m.init_from:
+        p.append(f"model.first_dense_layers: {m.arch} is built with an MoE block in every layer (only deepseek_v3 and "
+                 "deepseek_v2 take dense first layers); set it to 0")
     if d.seq_len < 2 or d.seq_len > m.max_position_embeddings:
         p.append(f"data.seq_len ({d.seq_len}) must be in [2, model.max_position_embeddings={m.max_position_embeddings}]")
     if t.max_steps < 1:
