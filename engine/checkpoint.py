@@ -375,7 +375,7 @@ def lr_schedule(recipe: Recipe) -> tuple[Recipe, list[str]]:
     return recipe, lines
 
 
-DATA_KEYS = ("path", "seq_len", "text_field", "tokenizer", "streaming", "seed", "curriculum")
+DATA_KEYS = ("path", "name", "split", "seq_len", "text_field", "tokenizer", "streaming", "seed", "curriculum")
 
 
 def data_change(recipe: Recipe, saved: dict | None) -> list[str]:

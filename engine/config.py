@@ -82,6 +82,8 @@ class DataConfig:
     streaming: bool = False
     """Stream and tokenize on the fly instead of tokenizing everything up front."""
     split: str = "train"
+    name: str | None = None
+    """A hub dataset's configuration (datasets.load_dataset's `name`, e.g. wikitext-103-raw-v1); local data: unset."""
     curriculum: DataCurriculumConfig = field(default_factory=DataCurriculumConfig)
     """Pretraining only: order the first epoch's documents (short to long, or by a score column)."""
     seed: int | None = None

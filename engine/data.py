@@ -78,7 +78,7 @@ def load_documents(d: DataConfig, streaming: bool | None = None, files: list[str
             builder, found = data_files(d.path)
             ds = datasets.load_dataset(builder, data_files=files or found, split="train", streaming=streaming)
         else:
-            ds = datasets.load_dataset(d.path, split=d.split, streaming=streaming)
+            ds = datasets.load_dataset(d.path, d.name, split=d.split, streaming=streaming)
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001

@@ -44,6 +44,8 @@ def check_corpus(d: DataConfig, tok, batch: int | None, data_parallel: int) -> l
     `data_parallel` the number of ranks that read different data."""
     if not looks_local(d.path):
         return check_hub(d)
+    if d.name:
+        return [f"data.name {d.name!r}: a hub dataset's configuration, and data.path {d.path} is local; remove it"]
     try:
         builder, files = data_files(d.path)
     except ConfigError as e:
@@ -289,8 +291,10 @@ def check_hub(d: DataConfig) -> list[str]:
     datasets.logging.set_verbosity_error()  # a refusal must be the only line on stderr
     datasets.disable_progress_bars()
     try:
-        info = datasets.load_dataset_builder(d.path).info
+        info = datasets.load_dataset_builder(d.path, d.name).info
     except Exception as e:  # noqa: BLE001  (datasets raises many kinds)
+        if "Config name is missing" in str(e) or "BuilderConfig" in str(e):  # the message lists the configurations
+            return [f"data.path {d.path}: {cause(e)}; set data.name to one of them"]
         where = "in the cache (HF_HUB_OFFLINE is set)" if offline else "on the Hub"
         return [f"data.path {d.path}: cannot find it {where} ({cause(e)}); check the name, or {HUB_FIX}"]
     finally:

@@ -98,6 +98,36 @@ def test_unreachable_hub_names_the_fix(tmp_path, monkeypatch, capfd):
 
 
 # Beyond the table.
+def test_a_hub_dataset_with_configurations_takes_data_name(tmp_path, monkeypatch):
+    """A hub dataset with several configurations (wikitext, c4, ...) needs datasets' `name`: without data.name the
+    line lists them and names the key; with it, the builder gets it. data.name with local data is refused."""
+    from types import SimpleNamespace
+
+    import datasets
+
+    from engine.config import DataConfig
+    from engine.data_check import check_corpus
+
+    calls = []
+
+    def builder(path, name=None, **kw):
+        calls.append((path, name))
+        if name is None:
+            raise ValueError("Config name is missing.\nPlease pick one among the available configs: "
+                             "['wikitext-103-raw-v1', 'wikitext-2-raw-v1']")
+        return SimpleNamespace(info=SimpleNamespace(features={"text": None}, splits={"train": None}))
+
+    monkeypatch.setattr(datasets, "load_dataset_builder", builder)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # no reachability probe
+    monkeypatch.chdir(tmp_path)  # "wikitext" is no local path here
+    found = check_corpus(DataConfig(path="wikitext"), None, None, 1)
+    assert len(found) == 1 and "wikitext-103-raw-v1" in found[0] and found[0].endswith("set data.name to one of them")
+    assert check_corpus(DataConfig(path="wikitext", name="wikitext-103-raw-v1"), None, None, 1) == []
+    assert calls[-1] == ("wikitext", "wikitext-103-raw-v1")
+    assert check_corpus(DataConfig(name="x"), None, None, 1) == [
+        f"data.name 'x': a hub dataset's configuration, and data.path {DataConfig().path} is local; remove it"]
+
+
 def test_the_token_count_is_for_this_world_size(tmp_path, monkeypatch, capfd):
     """1100 tokens are a step on 1 rank (8 x 128 = 1024) but not on 2 (16 x 128)."""
     from engine.pretrain import parse_args, preflight
