@@ -60,7 +60,8 @@ if triton is not None:
                 s = tl.dot(ql, tl.trans(kv), input_precision="ieee") + tl.dot(qr, tl.trans(kr), input_precision="ieee")
             else:
                 s = tl.dot(ql, tl.trans(kv)) + tl.dot(qr, tl.trans(kr))
-            s = s * scale  # (BLOCK_H, BLOCK_L), fp32
+            s = (s * scale).to(tl.float32)  # (BLOCK_H, BLOCK_L); a float argument may arrive as fp64 (Inductor's
+            # wrapper of a user kernel inside a compiled graph types it so), which would make the loop's m_i fp64
             if MASK_BOOL:
                 keep = tl.load(mask + b * s_mb + j * s_ml, mask=jm, other=0) != 0
                 s = tl.where(keep[None, :], s, _MASKED)
