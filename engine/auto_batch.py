@@ -352,7 +352,14 @@ class AutoBatch:
             if not isinstance(micro, int) or isinstance(micro, bool) or micro < 1:
                 return []  # reported by the batch-size check
             accum, why_accum = self.pick_accum(recipe, micro, device)
-            if rec.get("grad_accum") is not None:
+            rec_micro, rec_accum = rec.get("micro_batch"), rec.get("grad_accum")
+            if rec_accum is not None and rec_micro not in (None, micro):
+                # the micro-batch differs from the checkpoint's (written in the file): keep its sequences per step
+                if rec_micro * rec_accum % micro == 0:
+                    accum = rec_micro * rec_accum // micro
+                    why_accum = (f"the checkpoint's {rec_micro} x {rec_accum} sequences per step at micro-batch "
+                                 f"{micro}")
+            elif rec_accum is not None:
                 if rec["grad_accum"] != accum:
                     why_accum = f"the checkpoint's, kept for an exact resume; auto would pick {accum} here: {why_accum}"
                 else:

@@ -471,7 +471,7 @@ def check_resume(recipe: Recipe, ds: dict, world_size: int, rank: int = 0) -> tu
         problems.append(f"--resume: checkpoint {where} is at step {saved['step']}, past train.max_steps "
                         f"({recipe.train.max_steps}); raise --max_steps to train on")
     stage, was = (ds.get("zero_optimization") or {}).get("stage", 0), saved_zero_stage(where, saved)
-    if "pipeline" not in ds and was != stage and not (was == "1 or 2" and stage in (1, 2)):
+    if ("pipeline" not in ds or "zero_stage" in saved) and was != stage and not (was == "1 or 2" and stage in (1, 2)):
         problems.append(f"--resume: checkpoint {where} was trained with ZeRO stage {was}, the DeepSpeed config has "
                         f"stage {stage} (DeepSpeed cannot load one's partitions as the other's); resume with the DS "
                         "config it was trained with")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from pathlib import Path
 
 from .config import ConfigError, Recipe
@@ -375,14 +376,19 @@ def check_pipeline(cfg: dict, recipe: Recipe, zero_stage) -> tuple[int, list[str
     elif stages > layers:
         p.append(f"pipeline.stages ({stages}) is more than model.num_layers ({layers}): every stage needs at least "
                  f"one decoder layer; use at most {layers} stages")
-    if zero_stage not in (0, 1):
-        p.append(f"zero_optimization.stage ({zero_stage}) cannot be combined with a pipeline section: DeepSpeed's "
-                 "PipelineEngine supports ZeRO stage 0 or 1; set stage 1, or remove the pipeline section to use "
+    if zero_stage != 1:
+        # Stage 0 is refused too: its gradient clipping (deepspeed.runtime.utils.clip_grad_norm_ with the pipeline's
+        # grid) counts only the first stage's gradients, so clipping compares the threshold with part of the norm.
+        p.append(f"zero_optimization.stage ({zero_stage}) cannot be combined with a pipeline section: the pipeline "
+                 "runs with ZeRO stage 1 (DeepSpeed's PipelineEngine takes 0 or 1, and its stage-0 gradient clipping "
+                 "sees only the first stage's gradients); set stage 1, or remove the pipeline section to use "
                  "ZeRO-2/3 (ds_configs/zero3.json)")
     part = pipe.get("partition", PARTITION)
     if part != "uniform" and not (isinstance(part, str) and part.startswith("type:")):
         p.append(f'pipeline.partition ({part!r}) must be "uniform" or "type:<layer class regex>" (default: '
                  "balance decoder layers); \"parameters\" would build every stage's layers on every rank")
+    elif isinstance(stages, int) and 1 <= stages <= layers:
+        p += check_stage_layout(part, stages, recipe, uses_expert_parallel(cfg))
     interval = pipe.get("activation_checkpoint_interval", 0)
     if not isinstance(interval, int) or isinstance(interval, bool) or interval < 0:
         p.append(f"pipeline.activation_checkpoint_interval ({interval!r}) must be an integer >= 0")
@@ -398,6 +404,62 @@ def check_pipeline(cfg: dict, recipe: Recipe, zero_stage) -> tuple[int, list[str
         p.append(f"model.arch {recipe.model.arch}: pipeline mode builds its stages for {' and '.join(PIPELINE_ARCHS)} "
                  "only; train it with ds_configs/zero3.json or zero2.json")
     return stages, p
+
+
+def stage_layout(partition: str, stages: int, num_layers: int) -> list[tuple[int, int]]:
+    """DeepSpeed's PipelineModule partition (_partition_layers) of [Embed, decoder layer 0..L-1, Head] into
+    `stages` runs, as (start, stop) indices of that list. Raises ValueError for a regex that is invalid or matches
+    none of the three layer classes (engine/pipeline.py)."""
+
+    from deepspeed.runtime.utils import partition_balanced, partition_uniform
+
+    names = ["Embed"] + ["DecoderLayerPipe"] * num_layers + ["Head"]
+    if partition == "uniform":
+        parts = partition_uniform(num_items=len(names), num_parts=stages)
+    else:
+        try:
+            pattern = re.compile(partition.split(":", 1)[1], re.IGNORECASE)
+        except re.error as e:
+            raise ValueError(f"is not a valid regular expression ({e})") from None
+        weights = [int(bool(pattern.search(n))) for n in names]
+        if not any(weights):
+            raise ValueError("matches none of the pipeline's layer classes (Embed, DecoderLayerPipe, Head)")
+        parts = partition_balanced(weights=weights, num_parts=stages)
+    return list(zip(parts[:-1], parts[1:]))
+
+
+def check_stage_layout(partition: str, stages: int, recipe: Recipe, expert_parallel: bool) -> list[str]:
+    """Problems of the stage layout DeepSpeed will build: a bad partition regex and, with AutoEP, a stage with no MoE
+    layer (AutoEP raises on every rank of such a stage)."""
+    L, dense = recipe.model.num_layers, recipe.model.first_dense_layers
+    try:
+        layout = stage_layout(partition, stages, L)
+    except ValueError as e:
+        return [f"pipeline.partition ({partition!r}) {e}; use the default (leave it out: one decoder layer per "
+                "weight) or \"uniform\""]
+    for s, (a, b) in enumerate(layout):
+        layers = [i - 1 for i in range(a, b) if 1 <= i <= L]
+        if expert_parallel and not any(i >= dense for i in layers):
+            if layers:
+                span = f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}-{layers[-1]}"
+                held = f"dense decoder {span}, model.first_dense_layers being {dense}"
+            else:
+                held = f"the {'embedding' if a == 0 else 'head'} only"
+            n = max_moe_stages(partition, L, dense)
+            fix = f"use at most {n} stages" if n > 1 else "use the default partition (leave pipeline.partition out)"
+            return [f"pipeline: stage {s} of {stages} would hold no MoE layer ({held}; partition {partition!r}), "
+                    f"and AutoEP needs one on every stage; {fix}"]
+    return []
+
+
+def max_moe_stages(partition: str, num_layers: int, dense: int) -> int:
+    """The most stages whose layout gives every stage an MoE layer (1 when none does)."""
+    best = 1
+    for n in range(2, num_layers + 1):
+        layout = stage_layout(partition, n, num_layers)
+        if all(any(dense <= i - 1 < num_layers for i in range(a, b)) for a, b in layout):
+            best = n
+    return best
 
 
 def compile_blocker(cfg: dict) -> str | None:

@@ -115,8 +115,12 @@ def test_resume_keeps_the_checkpoints_values():
     assert resolve(ZERO2, "deepseek_2b6", H200_AT_80GB, recorded={"micro_batch": 16})[:2] == (16, 4)
     # the recorded values also stand where nothing would fit afresh
     assert resolve(ZERO3, "deepseek_5b3", H200_AT_80GB, recorded={"micro_batch": 2, "grad_accum": 32})[:2] == (2, 32)
+    # a micro-batch written in the file other than the checkpoint's: the accumulation keeps its sequences per step
     raw = {**read_ds_config(ZERO2), "train_micro_batch_size_per_gpu": 8}
-    assert resolve(raw, "deepseek_2b6", H200, recorded={"micro_batch": 16, "grad_accum": 4})[:2] == (8, 4)
+    micro, accum, note = resolve(raw, "deepseek_2b6", H200, recorded={"micro_batch": 16, "grad_accum": 4})
+    assert (micro, accum) == (8, 8) and "accumulation 8: the checkpoint's 16 x 4 sequences per step" in note
+    raw = {**read_ds_config(ZERO2), "train_micro_batch_size_per_gpu": 6}  # 64 is no multiple of 6: auto's pick
+    assert resolve(raw, "deepseek_2b6", H200, recorded={"micro_batch": 16, "grad_accum": 4})[1] != 4
 
 
 def test_resume_reads_the_recorded_values_from_latest(tmp_path):

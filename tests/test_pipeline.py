@@ -178,6 +178,15 @@ BAD = {  # case: (world size, changes to pipe.json, what the line must say); the
                                                       "moe_layer_pattern": "\\d+\\.layer\\.mlp"}},
                               ["expert_parallel.autoep_size (2) must divide the ranks per pipeline stage",
                                "experts cannot span pipeline stages"]),
+    "zero0_with_pipeline": (2, {"zero_optimization": {"stage": 0}},  # stage 0 clips on the first stage's norm only
+                            ["zero_optimization.stage (0) cannot be combined with a pipeline", "set stage 1"]),
+    "partition_regex_invalid": (2, {"pipeline": {"stages": 2, "partition": "type:["}},
+                                ["pipeline.partition ('type:[') is not a valid regular expression"]),
+    "partition_matches_no_layer": (2, {"pipeline": {"stages": 2, "partition": "type:Nothing"}},
+                                   ["pipeline.partition ('type:Nothing') matches none of the pipeline's layer classes"]),
+    "stage_without_moe_layer": (2, {"pipeline": {"stages": 2, "partition": "type:head"}},
+                                ["pipeline: stage 1 of 2 would hold no MoE layer (the head only",
+                                 "AutoEP needs one on every stage"]),
     "autoep_pattern_missing": (2, {"expert_parallel": {"enabled": True, "autoep_size": "auto"}},
                                ["expert_parallel.moe_layer_pattern (None)", '"\\\\d+\\\\.layer\\\\.mlp"']),
 }
@@ -198,6 +207,24 @@ def test_bad_pipeline_config_is_one_line_and_exit_2(tmp_path, case, capfd, monke
     for text in expect:
         assert text in lines[0], lines[0]
     assert not (tmp_path / "run").exists()  # stopped before any work
+
+
+def test_stage_layout_is_deepspeeds_and_every_stage_needs_an_moe_layer():
+    """The preflight's layout equals the PipelineModule's own partition (the rank's bounds come from it), and a
+    stage holding only dense-first layers is refused with the largest stage count that works (AutoEP raised on
+    every rank of such a stage before)."""
+    from types import SimpleNamespace
+
+    from engine.ds_config import PARTITION, check_stage_layout, stage_layout
+
+    assert stage_layout(PARTITION, 2, 3) == [(0, 3), (3, 5)]  # the 3-layer test model above: layers 0-1 | 2 + head
+    assert stage_layout("uniform", 3, 3) == [(0, 2), (2, 4), (4, 5)]
+    recipe = SimpleNamespace(model=SimpleNamespace(num_layers=12, first_dense_layers=1))
+    assert check_stage_layout(PARTITION, 11, recipe, True) == []
+    [line] = check_stage_layout(PARTITION, 12, recipe, True)
+    assert line.startswith("pipeline: stage 0 of 12 would hold no MoE layer (dense decoder layer 0, ") and \
+        "use at most 11 stages" in line, line
+    assert check_stage_layout(PARTITION, 12, recipe, False) == []  # without AutoEP a dense stage is fine
 
 
 @pytest.mark.parametrize("other", ["zero3", "world"])

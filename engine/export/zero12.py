@@ -87,7 +87,7 @@ def _read_model_states(tag_dir: Path, stage: int) -> dict:
         # param_shapes + buffer_names name each tensor once: `module` also holds aliases (AutoEP's Qwen3 layer exposes
         # its router again as `mlp.gate` for transformers' output recorders).
         tensors = {k: (f, ("module", k), tuple(v.shape)) for k, v in ms["module"].items()
-                   if not (params or buffers) or k in params or k in buffers}
+                   if not params or k in params or k in buffers}  # no param_shapes: a stage-0 pipeline
     elif stage == 0:  # a pipeline without AutoEP: one file per PipelineModule layer, keys relative to the layer
         for lf in sorted(tag_dir.iterdir()):
             m = LAYER_FILE.match(lf.name)
