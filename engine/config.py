@@ -326,6 +326,8 @@ def _fill(cls: type, raw: Any, where: str, problems: list[str]) -> Any:
     known = {f.name for f in dataclasses.fields(cls)}
     for key, value in raw.items():
         path = f"{where}.{key}" if where else key
+        if key in known and hints[key] is str and isinstance(value, bool) and getattr(obj, key) == "off":
+            value = "on" if value else "off"  # YAML 1.1 reads a bare off/on as a boolean (grpo.routing_replay: off)
         if key not in known:
             problems.append(f"{path}: unknown key (known: {', '.join(sorted(known))})")
         elif dataclasses.is_dataclass(hints[key]):

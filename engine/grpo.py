@@ -647,7 +647,8 @@ def skip_update(run: Run) -> None:
 
 
 def policy_update(run: Run, r: Rollouts, adv, old, refl, count: float) -> tuple[dict[str, float], dict[str, float]]:
-    """`iterations` passes over the batch on the clipped surrogate (+ KL); returns the summed loss stats and the
+    """`iterations` passes over the batch on the clipped surrogate (+ KL); returns the loss stats summed over the
+    micro-batches (the loss; the others weighted by response tokens, with their count: loss_stats) and the
     rollout/train mismatch of the first pass (mismatch_metrics; empty without the decoder's log-probs).
     `count`: the response tokens of all ranks (response_tokens), > 0."""
     normalizer = count / (run.world.size * (run.n_seq // run.micro))  # dapo: global token mean
@@ -669,8 +670,9 @@ def policy_update(run: Run, r: Rollouts, adv, old, refl, count: float) -> tuple[
                                           rollout_logp=m.targets(r.rollout_logp))
                 run.policy.backward(loss)
             run.policy.step()
-            for k, v in {"loss": loss.detach(), **stats}.items():  # device tensors: no host wait per micro-batch
-                stats_sum[k] = stats_sum[k] + v if k in stats_sum else v
+            n = mask.sum().float()  # the statistics are token means: kept weighted by the micro-batch's tokens
+            for k, v in {"loss": loss.detach(), "tokens": n, **{k: v * n for k, v in stats.items()}}.items():
+                stats_sum[k] = stats_sum[k] + v if k in stats_sum else v  # device tensors: no host wait per micro-batch
             if it == 0 and r.rollout_logp is not None:
                 mismatch.append(rollout_mismatch(logp.detach(), m.targets(r.rollout_logp), mask))
     stats = dict(zip(stats_sum, torch.stack(list(stats_sum.values())).float().tolist()))  # one wait
@@ -794,7 +796,7 @@ def metrics_row(run: Run, r: Rollouts, scores, reward, stats: dict, phases: dict
            "generated_tokens": new_tokens, "rollout_tokens_per_s": new_tokens / max(r.seconds, 1e-9),
            "train_tokens_per_s": _sum_all(float(r.attn.sum()) * forwards) / max(train_s, 1e-9),
            "rollout_s": r.seconds, "train_s": train_s, **phases, "step_s": step_s, "peak_mem_gib": peak_memory_gib(),
-           **{k: _mean_all(v / n_micro) for k, v in stats.items()}}
+           **loss_stats(stats, n_micro)}
     if getattr(run.rollout, "decode_steps", 0):
         row["decode_ms_per_step"] = 1000 * run.rollout.decode_s / run.rollout.decode_steps
     elif r.tree is None:  # another rollout engine: its whole generate call per step of the longest completion
@@ -950,6 +952,15 @@ def done_line(rows: list[dict], run_dir: str) -> str:
 def budget_spent(generated: float, g: GRPOConfig) -> bool:
     """Whether grpo.max_generated_tokens (when set) has been reached by the run's generated tokens."""
     return g.max_generated_tokens is not None and generated >= g.max_generated_tokens
+
+
+def loss_stats(stats: dict, n_micro: int) -> dict[str, float]:
+    """policy_update's sums over every rank: the loss as the mean of the micro-batches' (what the gradient averages),
+    the other statistics (clip fractions, ratio, KL, entropy, rollout_corrected_frac) as means over all response
+    tokens, so a short micro-batch, or one that dynamic sampling left empty, weighs by its tokens."""
+    tokens = _sum_all(stats.get("tokens", 0.0))
+    return {k: _mean_all(v / n_micro) if k == "loss" else _sum_all(v) / max(tokens, 1.0)
+            for k, v in stats.items() if k != "tokens"}
 
 
 def _mean_all(x) -> float:

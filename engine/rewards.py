@@ -88,7 +88,7 @@ def _check_builtin(fn: Callable, params: dict, where: str) -> list[str]:
     p = []
     if fn is numeric:
         tol = params.get("tolerance", 0.0)
-        if not _is_number(tol) or tol < 0:
+        if not _is_number(tol) or not tol >= 0:
             p.append(f"{where}.tolerance: must be a number >= 0, got {tol!r}")
         if params.get("which", "last") not in ("first", "last"):
             p.append(f"{where}.which: must be 'first' or 'last', got {params['which']!r}")
@@ -104,7 +104,7 @@ def _check_builtin(fn: Callable, params: dict, where: str) -> list[str]:
         if "target" in params and (not isinstance(params["target"], int) or params["target"] < 0):
             p.append(f"{where}.target: must be an integer >= 0 (characters), got {params['target']!r}")
         scale = params.get("scale", 0.0)
-        if not _is_number(scale) or scale < 0:
+        if not _is_number(scale) or not scale >= 0:
             p.append(f"{where}.scale: must be a number >= 0, got {scale!r}")
     return p
 

@@ -651,6 +651,9 @@ def test_replay_dispatches_every_token_to_the_decoders_experts(replays):
     for r in replays["one"] + two + replays["ckpt"] + replays["four"]:
         assert r["real_used_equal"] and r["foreign_used_equal"], r
         assert r["foreign_live_equal"] < 0.5, r  # the live routers would have chosen otherwise
+        # the GRPO step's passes replay what Rollouts.replay hands them: the old-log-prob pass on the foreign routes
+        # scores as the forward replaying them did, and with replay off (its routers choosing) it does not
+        assert r["old_logp_r3_vs_foreign"] < 1e-5 < 1e-3 < r["old_logp_off_vs_foreign"], r
         # In fp32 the live routers choose as the decoder did (8 rollouts decoded in two turns of 4 rows: each turn's
         # routes are its own, not the next turn's)
         assert r["real_live_agree"] > 0.99, r

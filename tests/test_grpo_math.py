@@ -174,6 +174,19 @@ def test_rollout_correction_truncates_or_masks_by_the_rollout_weight():
     assert stats["rollout_corrected_frac"].item() == pytest.approx(0.25)
     loss.backward()
     assert logp.grad[0].tolist() == pytest.approx([0.0, -0.375, -0.0625, -0.25], abs=1e-12)
+    # A later pass (iterations > 1): the weight is pi_train(old) / pi_rollout, not the current policy's. old = 0.2,
+    # 0.3, 0.2, 0.2: ratio r = 2, 1, 0.5, 1 (clips wide enough to leave it), w = 2, 1.5, 0.5, 1.
+    old = torch.log(t([[0.2, 0.3, 0.2, 0.2]]))
+    wide = dict(aggregation="dapo", clip_low=0.9, clip_high=5.0, rollout_correction_cap=1.8)
+    for kind, want, grad in (("tis", -(1.8 * 2 + 1.5 + 0.5 * 0.5 + 1) / 4, [-0.9, -0.375, -0.0625, -0.25]),
+                             ("mis", -(1.5 + 0.5 * 0.5 + 1) / 4, [0.0, -0.375, -0.0625, -0.25])):
+        logp.grad = None
+        loss, stats = policy_loss(logp, old, adv, ones, GRPOLossConfig(rollout_correction=kind, **wide),
+                                  rollout_logp=rollout)
+        assert loss.item() == pytest.approx(want, rel=1e-12), kind
+        assert stats["rollout_corrected_frac"].item() == pytest.approx(0.25)
+        loss.backward()
+        assert logp.grad[0].tolist() == pytest.approx(grad, abs=1e-12), kind  # w x r x A / 4, r = dr / dlogp
     # none: the plain surrogate, no statistic
     loss, stats = policy_loss(logp, logp.detach(), adv, ones, GRPOLossConfig(aggregation="dapo"), rollout_logp=rollout)
     assert loss.item() == pytest.approx(-1.0) and "rollout_corrected_frac" not in stats

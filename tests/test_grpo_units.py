@@ -393,7 +393,7 @@ def test_policy_update_on_two_ranks_gives_each_aggregations_whole_batch_loss(tmp
     averaged gradient and effective loss are those of the aggregation's loss over both ranks' rows in one batch
     (engine/grpo_math.py's definitions, computed by hand). Dropping run.world.size from the DAPO normalizer halves
     dapo's; a rank-local token count (no all-reduce in response_tokens) gives each rank's token mean, not the global
-    one."""
+    one. The statistics of the metrics row (loss_stats) are token means over both ranks too."""
     from conftest import run_ranks
 
     out = tmp_path / "norm.json"
@@ -406,3 +406,5 @@ def test_policy_update_on_two_ranks_gives_each_aggregations_whole_batch_loss(tmp
         g = got[aggregation]
         assert abs(g["loss"] - g["want_loss"]) <= 1e-5 * max(1.0, abs(g["want_loss"])), (aggregation, g)
         assert g["grad_err"] <= 1e-5 * g["grad_max"] and g["grad_max"] > 1e-3, (aggregation, g)
+        # the row's statistics are token means over both ranks (micro-batches of 12, 11, 3, 4 response tokens)
+        assert abs(g["entropy"] - g["want_entropy"]) <= 1e-6 * g["want_entropy"], (aggregation, g)

@@ -119,7 +119,9 @@ def test_bad_specs_all_reported_at_build_time():
              {"name": "numeric", "tolrance": 1e-3, "label": "n2"},  # typo'd parameter
              {"name": "no_such_module_xyz:f"},
              {"name": "math:no_such_function"},
-             {"name": "exact_match"}, {"name": "exact_match"}]     # same label twice
+             {"name": "exact_match"}, {"name": "exact_match"},    # same label twice
+             {"name": "numeric", "tolerance": float("nan"), "label": "n3"},  # NaN passes a `< 0` check: scores 0
+             {"name": "length_penalty", "target": 100, "scale": float("nan")}]
     with pytest.raises(ConfigError) as e:
         build_rewards(specs)
     msg = str(e.value)
@@ -129,7 +131,9 @@ def test_bad_specs_all_reported_at_build_time():
                      "rewards[3]: numeric cannot be called", "'tolrance'",
                      "rewards[4].name: cannot import module 'no_such_module_xyz'",
                      "rewards[5].name: module 'math' has no function 'no_such_function'",
-                     "rewards[7]: label 'exact_match' is used twice"):
+                     "rewards[7]: label 'exact_match' is used twice",
+                     "rewards[8].tolerance: must be a number >= 0, got nan",
+                     "rewards[9].scale: must be a number >= 0, got nan"):
         assert expected in msg, (expected, msg)
     with pytest.raises(ConfigError, match="non-empty list"):
         build_rewards([])

@@ -123,6 +123,25 @@ def test_bad_replay_settings_are_one_line(overrides, expect):
     assert expect in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_bare_off_in_yaml_is_the_string_off(tmp_path):
+    """YAML 1.1 reads `routing_replay: off` (the documented default, and what the refusals say to write) as False."""
+    import yaml
+
+    from engine.config import ConfigError, load_recipe
+
+    raw = yaml.safe_load((ROOT / "engine" / "recipes" / "grpo_tiny.yaml").read_text())
+    for word, want in (("off", "off"), ("r3", "r3"), ("on", None)):
+        path = tmp_path / f"{word}.yaml"
+        path.write_text(yaml.safe_dump(raw) + "")
+        text = path.read_text().replace("grpo:\n", f"grpo:\n  routing_replay: {word}\n", 1)
+        path.write_text(text)
+        if want:
+            assert load_recipe(path).grpo.routing_replay == want
+        else:
+            with pytest.raises(ConfigError, match="grpo.routing_replay: 'on' is not one of off, r3"):
+                load_recipe(path)
+
+
 def test_a_model_without_moe_layers_has_nothing_to_replay():
     from transformers import DeepseekV3Config
 

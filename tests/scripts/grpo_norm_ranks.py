@@ -3,7 +3,8 @@ batch, through a fake engine that treats the loss as DeepSpeed does (backward of
 the gradients averaged over the data-parallel ranks at the accumulation boundary), for each aggregation (grpo, dapo,
 dr_grpo). The ranks' batches hold different numbers of response tokens. Every rank also computes, by hand, the
 aggregation's loss over the whole batch of both ranks in one piece (engine/grpo_math.py's definitions) and its
-gradient; rank 0 writes both, with what policy_update gave, to OUT (JSON).
+gradient, and the entropy's mean over all response tokens (the micro-batches hold 12, 11, 3 and 4: a mean of their
+means differs); rank 0 writes both, with what policy_update gave, to OUT (JSON).
 usage: deepspeed --num_gpus 2 tests/scripts/grpo_norm_ranks.py OUT
 """
 import json
@@ -101,6 +102,16 @@ def whole_batch_loss(model, aggregation: str, batches) -> torch.Tensor:
     return tok.sum() / (ids.shape[0] * R)
 
 
+def whole_batch_entropy(model, batches) -> float:
+    """The mean of the policy's entropy over every response token of both ranks, by hand."""
+    ids = torch.cat([r.ids for r, _ in batches])
+    attn = torch.cat([r.attn for r, _ in batches])
+    mask = torch.cat([r.resp_mask for r, _ in batches]).float()
+    with torch.no_grad():
+        _, ent = grpo.forward_logps(model, ids, attn, 1.0, with_entropy=True)
+    return float((ent * mask).sum() / mask.sum())
+
+
 def main(out: Path) -> None:
     if not dist.is_initialized():
         init_distributed(watchdog=False)
@@ -116,13 +127,15 @@ def main(out: Path) -> None:
         run = grpo.Run(engine, None, None, None, None, g, grpo.loss_config(g), world, MICRO, N_SEQ)
         r, adv = batch(world.rank)
         model.zero_grad()
-        grpo.policy_update(run, r, adv, None, None, grpo.response_tokens(r))
+        stats, _ = grpo.policy_update(run, r, adv, None, None, grpo.response_tokens(r))
+        entropy = grpo.loss_stats(stats, N_SEQ // MICRO)["entropy_mean"]
         total = torch.tensor(engine.scaled_loss, dtype=torch.float64)
         dist.all_reduce(total)  # the loss whose gradient the averaged one is: the mean over ranks
         want = whole_batch_loss(model, aggregation, batches)
         want_grad = torch.autograd.grad(want, list(model.parameters()))
         results[aggregation] = {
             "loss": float(total) / world.size, "want_loss": float(want),
+            "entropy": entropy, "want_entropy": whole_batch_entropy(model, batches),
             "grad_err": max(float((a - b).abs().max()) for a, b in zip(engine.averaged, want_grad)),
             "grad_max": max(float(b.abs().max()) for b in want_grad),
             "ratio": float(sum((a * b).sum() for a, b in zip(engine.averaged, want_grad))

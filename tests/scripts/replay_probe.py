@@ -7,6 +7,7 @@ copy, no collectives), and trains on this rank's share (all of them on 1 rank, 4
   - `foreign`: the recorded routes with every expert id moved to the next expert (so they differ from what the
     live routers choose), replayed in a forward + backward of loss = -sum(log p of the response tokens) / (all
     ranks' response tokens) x world: each router's full gradient (safe_get_full_grad, before the step);
+  - the GRPO step's old-log-prob pass (grpo.old_logps, iterations 2) on the foreign routes, replay on and off;
   - the same loss and routes by hand: a plain Hugging Face fp32 copy of the policy whose routers return the
     foreign ids with transformers' own routing arithmetic, gradients averaged over ranks as DeepSpeed does.
 OUT/rank{r}.json holds the checks; the test compares runs (1 vs 2 ranks, activation checkpointing on vs off).
@@ -88,6 +89,13 @@ def main() -> None:
         used, live = router.recorded()
         loss = -(logp * mask[mine]).sum() / n_total * world.size
         policy.backward(loss)
+    # The GRPO step's own wiring (Rollouts.replay -> routed -> batched_logps), here its old-log-prob pass (iterations
+    # 2): with r3 it replays the foreign routes as the forward above did; with replay off its routers choose.
+    r_f = grpo.Rollouts(ids[mine], attn[mine], mask[mine], [], p_len, 0.0, routes=foreign[mine])
+    for mode in ("r3", "off"):
+        run2 = replace(run, g=replace(run.g, iterations=2, temperature=1.0, routing_replay=mode))
+        old = grpo.old_logps(run2, r_f)
+        info[f"old_logp_{mode}_vs_foreign"] = float((old - logp.detach())[mask[mine].bool()].abs().max())
     fwant = foreign[mine].reshape(used.shape).long()
     info["foreign_used_equal"] = bool((used == fwant)[keep].all())
     info["foreign_live_equal"] = float((live.sort(-1).values == fwant.sort(-1).values).all(-1)[keep].float().mean())
