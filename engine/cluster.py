@@ -79,7 +79,7 @@ def parse_hostfile(path: str | Path) -> list[Host]:
             problems.append(f"line {n}: {line!r} is not 'HOST slots=N'")
             continue
         name, slots = m.group(1), m.group(2)
-        if not slots.isdigit() or int(slots) < 1:
+        if not re.fullmatch(r"[0-9]+", slots) or int(slots) < 1:  # str.isdigit() also takes '²', which int() refuses
             problems.append(f"line {n}: {name} slots={slots}: slots must be a whole number >= 1 "
                             "(the ranks, i.e. GPUs, to start on that host)")
             continue
@@ -316,6 +316,10 @@ def judge(hosts: list[Host], probes: list[dict], master_addr: str, master_port: 
                                   f"({p.get('master_port_free_error')}); pick another")
         row["status"] = ", ".join(status) or ("ok" if "error" not in p else "FAIL")
         r.rows.append(row)
+    if len({h.slots for h in hosts}) > 1:
+        r.notes.append(f"slots differ between nodes ({', '.join(str(h.slots) for h in hosts)}): expert_parallel."
+                       "autoep_size \"auto\" follows each node's ranks, so the ranks would disagree (the job "
+                       "refuses to start); write autoep_size as a number that divides every node's slots")
     if not gpu_hosts and probes and all("error" not in p for p in probes):
         r.notes.append("no GPUs: the ranks run on the CPU (DeepSpeed's CPU accelerator, gloo); "
                        "fine for trying the pipeline, not for speed")

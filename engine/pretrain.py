@@ -141,20 +141,33 @@ def apply_memory_fraction(fraction: float | None) -> None:
 
 def check_ranks_agree(ds: dict) -> None:
     """Every rank resolved the same micro-batch and accumulation ("auto" reads each rank's own device; a job whose
-    GPUs differ in memory would otherwise hang in DeepSpeed). Raises ConfigError on every rank if they differ."""
+    GPUs differ in memory would otherwise hang in DeepSpeed) and the same expert-parallel size ("auto" reads the
+    ranks on the rank's own node: a hostfile whose nodes have different slots would hang in DeepSpeed's group
+    creation). Raises ConfigError on every rank if they differ."""
+    import os
+
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
+    from .ds_config import ep_size
+
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    mine = [ds["train_micro_batch_size_per_gpu"], ds.get("gradient_accumulation_steps", 1)]
+    mine = [ds["train_micro_batch_size_per_gpu"], ds.get("gradient_accumulation_steps", 1), ep_size(ds),
+            int(os.environ.get("LOCAL_SIZE") or 0)]
     t = torch.tensor(mine + [-v for v in mine], dtype=torch.int64, device=get_accelerator().current_device_name())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    lo, hi = [-v for v in t[2:].tolist()], t[:2].tolist()
-    if lo != hi:
+    n = len(mine)
+    lo, hi = [-v for v in t[n:].tolist()], t[:n].tolist()
+    if lo[:2] != hi[:2]:
         raise ConfigError(f"the ranks chose different batch sizes (micro-batch {lo[0]}-{hi[0]}, accumulation "
                           f"{lo[1]}-{hi[1]}): \"auto\" follows each rank's device memory, and these devices differ; "
                           "write the numbers in the DeepSpeed config")
+    if lo[2] != hi[2]:
+        nodes = f" (the nodes run {lo[3]} to {hi[3]} ranks: the hostfile's slots differ)" if lo[3] != hi[3] else ""
+        raise ConfigError(f"the ranks chose different expert_parallel.autoep_size ({lo[2]}-{hi[2]}){nodes}: \"auto\" "
+                          "follows the ranks on each node; give every node the same slots, or write autoep_size as a "
+                          "number that divides every node's slots")
 
 
 def build(recipe: Recipe, ds: dict, tok, world: World):

@@ -151,16 +151,20 @@ class PeerWatchdog:
 
 
 _watchdog: PeerWatchdog | None = None
+MAX_PEER_TIMEOUT = 7 * 86400.0  # a week; the store's timedelta and its C++ int take no more (inf crashed every rank)
 
 
 def peer_timeout() -> float:
     """$MOE_PEER_TIMEOUT in seconds, else 30."""
     raw = os.environ.get(PEER_TIMEOUT_ENV, str(DEFAULT_PEER_TIMEOUT))
     try:
-        return float(raw)
+        value = float(raw)
     except ValueError:
-        raise PeerTimeoutError(f"{PEER_TIMEOUT_ENV}={raw!r}: expected seconds (a number; 0 turns the peer "
-                               "watchdog off)") from None
+        value = None
+    if value is None or not 0 <= value <= MAX_PEER_TIMEOUT:  # NaN too: it fails every comparison
+        raise PeerTimeoutError(f"{PEER_TIMEOUT_ENV}={raw!r}: expected seconds from 0 (0 turns the peer watchdog "
+                               f"off) to {MAX_PEER_TIMEOUT:.0f}")
+    return value
 
 
 def start_peer_watchdog(timeout: float | None = None) -> PeerWatchdog | None:

@@ -367,6 +367,52 @@ def test_shipped_hostfiles_parse():
         parse_hostfile(hf / "template")
 
 
+def test_hostfile_refusals_and_slot_notes(tmp_path):
+    """parse_hostfile: 'localhost' beside other nodes names another machine on each; a slot count int() cannot read
+    (str.isdigit takes '²') is one line, not a traceback. judge: slots above the GPUs visible fail; nodes with
+    different slots get a note (expert_parallel.autoep_size "auto" would differ between them)."""
+    from engine.cluster import Host, judge
+
+    for text, message in ((f"{NODE0} slots=1\nlocalhost slots=1\n", "line 2: localhost in a multi-node hostfile"),
+                          (f"{NODE0} slots=²\n", "line 1: 127.0.0.2 slots=²: slots must be a whole number >= 1")):
+        (tmp_path / "hosts").write_text(text)
+        with pytest.raises(InputError, match=re.escape(message)):
+            parse_hostfile(tmp_path / "hosts")
+    probe = {"python": "3", "torch": "2", "deepspeed": "0", "transformers": "5", "engine": "ok", "gpus": 4}
+    hosts = [Host(NODE0, 8, 1), Host(NODE1, 4, 2)]
+    r = judge(hosts, [dict(probe), dict(probe)], NODE0, 29500)
+    assert r.failures == [f"host {NODE0}: slots=8 (hostfile line 1) but 4 GPUs visible; set slots=4"], r.failures
+    assert any(n.startswith("slots differ between nodes (8, 4)") for n in r.notes), r.notes
+    r = judge([Host(NODE0, 4, 1), Host(NODE1, 4, 2)], [dict(probe), dict(probe)], NODE0, 29500)
+    assert not r.failures and not any("slots differ" in n for n in r.notes), (r.failures, r.notes)
+
+
+def test_nodes_with_different_slots_stop_before_deepspeed_groups(tmp_path):
+    """DeepSpeed's per-node launcher as pdsh runs it on each node, for a hostfile of slots 2, 1, 1 (4 CPU ranks here):
+    "auto" gives autoep_size 2 on the first node and 1 on the others, whose different expert groups hung every rank in
+    torch's new_group (the peer watchdog saw live peers). check_ranks_agree stops them with one line on each."""
+    import base64
+    import json
+
+    info = base64.urlsafe_b64encode(json.dumps({"n0": [0, 1], "n1": [0], "n2": [0]}).encode()).decode()
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={info}",
+                               f"--node_rank={k}", "--master_addr=127.0.0.1", f"--master_port={port}",
+                               str(ROOT / "bin" / "pretrain.py"), "--deepspeed_config", str(ROOT / "ds_configs" / "zero3.json"),
+                               "--max_steps", "2", "--run_dir", str(tmp_path / "run")],
+                              cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) for k in range(3)]
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert all(p.returncode != 0 for p in procs), outs
+    said = "the ranks chose different expert_parallel.autoep_size (1-2) (the nodes run 1 to 2 ranks"
+    assert [out.count(said) for out in outs] == [1, 1, 1], outs  # one line per node (rank 0: "error:", the others "error on")
+
+
 def test_one_droplet_hostfile_command_as_documented(tmp_path):
     """docs/multinode.md's do_1node command (also in the hostfile's header) starts every rank on this machine
     with no ssh; `--include localhost:0,1` takes 2 of its 8 slots, as CPU ranks here."""

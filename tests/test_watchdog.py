@@ -27,10 +27,12 @@ def test_peer_timeout_from_the_environment(monkeypatch):
     for raw, seconds in (("7.5", 7.5), ("120", 120.0), ("0", 0.0), (" 2 ", 2.0)):
         monkeypatch.setenv("MOE_PEER_TIMEOUT", raw)
         assert peer_timeout() == seconds, raw
-    monkeypatch.setenv("MOE_PEER_TIMEOUT", "30s")
-    with pytest.raises(PeerTimeoutError) as e:
-        peer_timeout()
-    assert str(e.value) == "MOE_PEER_TIMEOUT='30s': expected seconds (a number; 0 turns the peer watchdog off)"
+    for raw in ("30s", "inf", "1e300", "nan", "-5"):  # inf crashed every rank in the store; nan and -5 meant "off"
+        monkeypatch.setenv("MOE_PEER_TIMEOUT", raw)
+        with pytest.raises(PeerTimeoutError) as e:
+            peer_timeout()
+        assert str(e.value) == (f"MOE_PEER_TIMEOUT={raw!r}: expected seconds from 0 (0 turns the peer watchdog off) "
+                                "to 604800"), raw
     monkeypatch.setenv("MOE_PEER_TIMEOUT", "5")
     assert start_peer_watchdog() is None  # this process: no process group, or a world of one (in-process jobs)
 
@@ -149,6 +151,6 @@ def test_a_bad_timeout_is_refused_before_any_work(tmp_path, capfd, monkeypatch):
     p = run_in_process(main, ["--deepspeed_config", ROOT / "ds_configs" / "zero3.json", "--run_dir", tmp_path / "run"],
                        capfd, monkeypatch, cwd=tmp_path, RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, LOCAL_SIZE=1)
     lines = [line for line in p.stderr.splitlines() if line.strip()]
-    assert p.returncode == 2 and lines == ["error: MOE_PEER_TIMEOUT='30s': expected seconds (a number; 0 turns the "
-                                           "peer watchdog off)"], p.stderr
+    assert p.returncode == 2 and lines == ["error: MOE_PEER_TIMEOUT='30s': expected seconds from 0 (0 turns the "
+                                           "peer watchdog off) to 604800"], p.stderr
     assert not (tmp_path / "run").exists()
