@@ -103,7 +103,7 @@ def mla_decode(q_lat: torch.Tensor, q_rot: torch.Tensor, latent: torch.Tensor, r
                       latent.stride(0), latent.stride(1), rope.stride(0), rope.stride(1),
                       mask.stride(0), mask.stride(1), out.stride(0), out.stride(1),
                       MASK_BOOL=mask.dtype == torch.bool, BLOCK_H=BLOCK_H, BLOCK_L=BLOCK_L,
-                      BLOCK_C=triton.next_power_of_2(C), BLOCK_R=triton.next_power_of_2(R),
+                      BLOCK_C=max(16, triton.next_power_of_2(C)), BLOCK_R=max(16, triton.next_power_of_2(R)),  # tl.dot: K >= 16
                       IEEE=q_lat.dtype == torch.float32, num_warps=4)
     return out
 

@@ -32,6 +32,8 @@ def assert_decoders_agree(res: dict, tol: float) -> None:
 
 
 @triton_missing
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the compiled kernel is checked (the next test); the "
+                    "GPU image's Triton interpreter fails on a numpy scalar conversion the compiled kernel never makes")
 def test_the_kernel_and_a_decoder_with_it_match_torch_in_the_interpreter():
     """fp32: the kernel equals softmax attention to rounding (heads, slots and widths off the block sizes, a row
     with no visible slot, strided cache rows, bool / additive / batch-broadcast masks); a 3-layer DeepSeek-V3 and
