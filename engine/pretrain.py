@@ -303,7 +303,7 @@ def train(recipe: Recipe, engine, data, tok, world: World) -> list[dict]:
                    "tflops_per_s_per_rank": per_rank * flops_tok / 1e12,
                    **({"mfu": per_rank * flops_tok / 1e12 / peak} if peak else {}),
                    "tokens": tokens, "world_size": world.size, "peak_mem_gib": peak_memory_gib(),
-                   **balance.load_stats()}
+                   **grad_stats(engine), **balance.load_stats()}
             metrics.log(row)
             rows.append(row)
             t0, loss_sum, logged = time.time(), torch.zeros((), device=device), step
@@ -318,6 +318,16 @@ def train(recipe: Recipe, engine, data, tok, world: World) -> list[dict]:
     if saver.failed:
         raise DataStop(batches.error, step + 1, saved=save)
     return rows
+
+
+def grad_stats(engine) -> dict:
+    """The last step's global gradient norm (before clipping; inf when DeepSpeed skipped the step for a non-finite
+    gradient) and the steps DeepSpeed has skipped so far: a skipped update is otherwise invisible in the rows."""
+    norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
+    out = {"skipped_steps": int(getattr(engine, "skipped_steps", 0))}
+    if norm is not None:
+        out["grad_norm"] = float(norm)
+    return out
 
 
 class DataStop(Exception):

@@ -433,6 +433,7 @@ def test_metrics_and_overrides_reach_the_run(tmp_path):
     for row in m:
         assert row["tflops_per_s_per_rank"] == pytest.approx(row["tokens_per_s_per_rank"] * flops / 1e12, rel=1e-6)
         assert "mfu" not in row  # no known peak on a CPU
+        assert 0 < row["grad_norm"] < float("inf") and row["skipped_steps"] == 0, row  # every update was made
     # DeepSpeed's monitor (csv here; tensorboard/wandb the same way) gets the rows metrics.jsonl gets
     csv_rows = (tmp_path / "csv" / "job" / "Train_loss.csv").read_text().split()[1:]
     assert [(int(a), float(b)) for a, b in (r.split(",") for r in csv_rows)] == [(r["step"], r["loss"]) for r in m]
