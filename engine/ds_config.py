@@ -437,29 +437,26 @@ def check_stage_layout(partition: str, stages: int, recipe: Recipe, expert_paral
     except ValueError as e:
         return [f"pipeline.partition ({partition!r}) {e}; use the default (leave it out: one decoder layer per "
                 "weight) or \"uniform\""]
-    for s, (a, b) in enumerate(layout):
-        layers = [i - 1 for i in range(a, b) if 1 <= i <= L]
-        if expert_parallel and not any(i >= dense for i in layers):
-            if layers:
-                span = f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}-{layers[-1]}"
-                held = f"dense decoder {span}, model.first_dense_layers being {dense}"
-            else:
-                held = f"the {'embedding' if a == 0 else 'head'} only"
-            n = max_moe_stages(partition, L, dense)
-            fix = f"use at most {n} stages" if n > 1 else "use the default partition (leave pipeline.partition out)"
-            return [f"pipeline: stage {s} of {stages} would hold no MoE layer ({held}; partition {partition!r}), "
-                    f"and AutoEP needs one on every stage; {fix}"]
-    return []
+    s = moe_less_stage(layout, L, dense) if expert_parallel else None
+    if s is None:
+        return []
+    a, b = layout[s]
+    layers = [i - 1 for i in range(a, b) if 1 <= i <= L]
+    if layers:
+        span = f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}-{layers[-1]}"
+        held = f"dense decoder {span}, model.first_dense_layers being {dense}"
+    else:
+        held = f"the {'embedding' if a == 0 else 'head'} only"
+    n = max((k for k in range(2, L + 1) if moe_less_stage(stage_layout(partition, k, L), L, dense) is None), default=1)
+    fix = f"use at most {n} stages" if n > 1 else "use the default partition (leave pipeline.partition out)"
+    return [f"pipeline: stage {s} of {stages} would hold no MoE layer ({held}; partition {partition!r}), "
+            f"and AutoEP needs one on every stage; {fix}"]
 
 
-def max_moe_stages(partition: str, num_layers: int, dense: int) -> int:
-    """The most stages whose layout gives every stage an MoE layer (1 when none does)."""
-    best = 1
-    for n in range(2, num_layers + 1):
-        layout = stage_layout(partition, n, num_layers)
-        if all(any(dense <= i - 1 < num_layers for i in range(a, b)) for a, b in layout):
-            best = n
-    return best
+def moe_less_stage(layout: list[tuple[int, int]], num_layers: int, dense: int) -> int | None:
+    """The first stage of `layout` (stage_layout) that holds no MoE layer (decoder layers from `dense` on), or None."""
+    return next((s for s, (a, b) in enumerate(layout) if not any(dense <= i - 1 < num_layers for i in range(a, b))),
+                None)
 
 
 def compile_blocker(cfg: dict) -> str | None:

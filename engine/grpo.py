@@ -998,7 +998,7 @@ def main(argv=None) -> int:
     if not start_ranks(world, problem):
         return 2
     try:
-        check_ranks_agree(ds)  # "auto" follows each rank's device
+        check_ranks_agree(ds, world)  # "auto" follows each rank's device
     except ConfigError as e:
         report_error(e, world)
         return 2

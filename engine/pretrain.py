@@ -139,13 +139,11 @@ def apply_memory_fraction(fraction: float | None) -> None:
         torch.cuda.set_per_process_memory_fraction(fraction)
 
 
-def check_ranks_agree(ds: dict) -> None:
+def check_ranks_agree(ds: dict, world: World) -> None:
     """Every rank resolved the same micro-batch and accumulation ("auto" reads each rank's own device; a job whose
     GPUs differ in memory would otherwise hang in DeepSpeed) and the same expert-parallel size ("auto" reads the
     ranks on the rank's own node: a hostfile whose nodes have different slots would hang in DeepSpeed's group
     creation). Raises ConfigError on every rank if they differ."""
-    import os
-
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
@@ -154,7 +152,7 @@ def check_ranks_agree(ds: dict) -> None:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     mine = [ds["train_micro_batch_size_per_gpu"], ds.get("gradient_accumulation_steps", 1), ep_size(ds),
-            int(os.environ.get("LOCAL_SIZE") or 0)]
+            world.local_size]
     t = torch.tensor(mine + [-v for v in mine], dtype=torch.int64, device=get_accelerator().current_device_name())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     n = len(mine)
@@ -448,7 +446,7 @@ def main(argv=None) -> int:
         return 2
     try:
         apply_memory_fraction(args.memory_fraction)
-        check_ranks_agree(ds)
+        check_ranks_agree(ds, world)
         engine, data = build(recipe, ds, tok, world)  # map-style data is read and tokenized here, on every rank
         rows = train(recipe, engine, data, tok, world)
     except ConfigError as e:  # bad data past preflight's sample, found on every rank
