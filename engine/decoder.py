@@ -46,8 +46,8 @@ def resolve_decode_experts(kind: str, device) -> str:
 
 def resolve_decode_attention(kind: str, hf_config, device) -> str:
     """`grpo.decode_attention: auto`: the Triton kernel (engine/mla_decode.py) where it runs (CUDA, the triton package,
-    an MLA model: 2.655 ms per decode step against the batched GEMMs' 2.740 at grpo_2b6, batch 64, one H200, same
-    call: docs/benchmarks.md), else torch (the absorbed MLA's batched GEMMs)."""
+    an MLA model; faster than the batched GEMMs on an H200: docs/benchmarks.md), else torch (the absorbed MLA's
+    batched GEMMs)."""
     if kind != "auto":
         return kind
     return "torch" if decode_attention_problem(hf_config, device) else "triton"
