@@ -64,12 +64,12 @@ def fp8_problems(mode, ds: dict, device: str) -> list[str]:
 
 def convertible(name: str, module: torch.nn.Module) -> bool:
     """The dense linears train.fp8 dense converts: not the output layer, not a router (a `gate` linear, e.g.
-    Mixtral's and Qwen3-MoE's; DeepSeek's router is no Linear), not a shared-expert gate, and only with both
-    dimensions multiples of 16."""
+    Mixtral's and Qwen3-MoE's; DeepSeek's router is no Linear), not a shared-expert gate, not Gated DeltaNet's
+    per-head beta and decay gates (Qwen3.5's in_proj_b, in_proj_a), and only with both dimensions multiples of 16."""
     if type(module) is not torch.nn.Linear:
         return False
     leaf = name.rsplit(".", 1)[-1]
-    if name == "lm_head" or leaf in ("gate", "shared_expert_gate", "router"):
+    if name == "lm_head" or leaf in ("gate", "shared_expert_gate", "router", "in_proj_a", "in_proj_b"):
         return False
     return module.in_features % MULTIPLE == 0 and module.out_features % MULTIPLE == 0
 

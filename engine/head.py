@@ -114,15 +114,16 @@ def _logp_fns(device: torch.device):
 
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, ignore_index: int):
+    def forward(ctx, hidden, weight, targets, ignore_index: int, grad_enabled: bool):
         """hidden (N, H), weight (V, H), targets (N,) -> the fp32 sum of -log softmax(hidden @ weight.T)[target] over
-        the targets that are not ignore_index."""
-        grad_h, grad_w = ctx.needs_input_grad[:2]
+        the targets that are not ignore_index. grad_enabled: autograd was on at the call (needs_input_grad says True
+        for a Parameter under no_grad too; the gradients are computed here, in the forward)."""
+        grad_h, grad_w = (need and grad_enabled for need in ctx.needs_input_grad[:2])
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         gh = torch.empty_like(hidden) if grad_h else None
         gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grad_w else None
         step = chunk_tokens(weight.shape[0], hidden.shape[0])
-        fused = _loss_and_grad_fn(hidden.device)
+        fused = _loss_and_grad_fn(hidden.device) if grad_h or grad_w else None
         wt = weight.t()
         for s in range(0, hidden.shape[0], step):
             h, t = hidden[s:s + step], targets[s:s + step]
@@ -149,7 +150,7 @@ class _CrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_out):
         gh, gw = ctx.saved_tensors
         return (None if gh is None else gh * grad_out.to(gh.dtype),
-                None if gw is None else gw * grad_out.to(gw.dtype), None, None)
+                None if gw is None else gw * grad_out.to(gw.dtype), None, None, None)
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -197,7 +198,7 @@ class _TokenLogprobs(torch.autograd.Function):
 def cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                   ignore_index: int = -100) -> torch.Tensor:
     """Sum over tokens of the cross-entropy of hidden @ weight.T against targets; hidden (N, H), targets (N,)."""
-    return _CrossEntropy.apply(hidden, weight, targets, ignore_index)
+    return _CrossEntropy.apply(hidden, weight, targets, ignore_index, torch.is_grad_enabled())
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,

@@ -44,6 +44,41 @@ def test_cross_entropy_equals_the_plain_loss_and_gradients():
     assert (cross_entropy(h, w, t2) - want).abs() > 1e-3
 
 
+def test_cross_entropy_without_autograd_computes_no_gradient(monkeypatch):
+    """Under no_grad (an evaluation loss) the loss is the plain one, ignored targets included, and no gradient is
+    computed: autograd still reports a Parameter as needing one there, and the gradient pass would allocate a
+    (V, H) fp32 buffer (5.5 GB at V 129,280, H 7,168) and run two GEMMs per chunk."""
+    import engine.head
+    from engine.head import cross_entropy
+
+    h, w, t = leaves(3)
+    t[[1, 20]] = -100
+    w = torch.nn.Parameter(w.detach())
+    want = F.cross_entropy(F.linear(h, w).float(), t, ignore_index=-100, reduction="sum").detach()
+
+    def no_gradient_pass(device):
+        raise AssertionError("the gradient pass ran under no_grad")
+
+    monkeypatch.setattr(engine.head, "_loss_and_grad_fn", no_gradient_pass)
+    with torch.no_grad():
+        got = cross_entropy(h, w, t)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_cross_entropy_into_a_frozen_output_layer_sends_the_trunk_its_gradient():
+    """Only the hidden states need a gradient (a frozen output layer): theirs is the plain one, none for the weight;
+    and the other way round."""
+    from engine.head import cross_entropy
+
+    h, w, t = leaves(4)
+    want = F.cross_entropy(F.linear(h, w).float(), t, reduction="sum")
+    frozen = w.detach()
+    torch.testing.assert_close(grads(cross_entropy(h, frozen, t), h)[0], grads(want, h)[0], atol=1e-6, rtol=1e-6)
+    fixed = h.detach()
+    want = F.cross_entropy(F.linear(fixed, w).float(), t, reduction="sum")
+    torch.testing.assert_close(grads(cross_entropy(fixed, w, t), w)[0], grads(want, w)[0], atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_token_logprobs_and_entropy_equal_the_plain_ones(temperature):
     from engine.head import token_logprobs
@@ -70,13 +105,17 @@ def test_an_installed_model_gives_transformers_loss_gradients_and_logprobs():
 
     model = install(tiny_model())
     ids = torch.randint(0, 512, (3, 11))
-    ours = model(input_ids=ids, labels=ids)
-    theirs = model._plain_forward(input_ids=ids, labels=ids)
-    assert ours.logits is None and theirs.logits.shape == (3, 11, 512)
-    torch.testing.assert_close(ours.loss, theirs.loss, atol=1e-6, rtol=1e-6)
-    params = [p for p in model.parameters() if p.requires_grad]
-    for a, b in zip(grads(ours.loss, *params), grads(theirs.loss, *params)):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    labels = ids.clone()
+    labels[0, 7:] = -100  # padded labels: the mean is over the others, as transformers' loss
+    labels[2, 1] = -100
+    for lab in (ids, labels):
+        ours = model(input_ids=ids, labels=lab)
+        theirs = model._plain_forward(input_ids=ids, labels=lab)
+        assert ours.logits is None and theirs.logits.shape == (3, 11, 512)
+        torch.testing.assert_close(ours.loss, theirs.loss, atol=1e-6, rtol=1e-6)
+        params = [p for p in model.parameters() if p.requires_grad]
+        for a, b in zip(grads(ours.loss, *params), grads(theirs.loss, *params)):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     with torch.no_grad():
         out = model(input_ids=ids, logprob_targets=ids[:, 1:], temperature=0.7, with_entropy=True)
         full = torch.log_softmax(model(input_ids=ids).logits[:, :-1].float() / 0.7, -1)

@@ -14,6 +14,11 @@
 # run's micro-batch and accumulation there, so both train on the same batches); LOSS_RUNS ("capped uncapped") which.
 # SR sets every run's train.stochastic_rounding (true/false/auto; unset: the recipe's, auto) and names the rows
 # seed_<mode>_sr_<SR>.jsonl, so SR=false and SR=auto rows of one config can sit in one OUT.
+# FIRST=N: instead, N steps (10 will do) uncapped from one init on the same batches (micro-batch 2 x accumulation 2: 8192
+# tokens a step): fp32 (zero2.json with bf16 off: fp32 weights, forward and AdamW), master (zero2.json: bf16 forward,
+# fp32 master weights), sr (zero2_bf16_states.json, AdamWSR) and nearest (the same, DeepSpeed's optimizer): whether
+# the bf16 variants follow fp32 weights' trajectory in the first steps of the warmup (docs/bench/first_updates.py is
+# the same comparison on the CPU at a small shape).
 # MFU: the metrics rows' own (engine/flops.py: model FLOPs over the GPU's dense bf16 peak; FP8 rows against the same
 # bf16 peak, so FP8 shows as a higher MFU, not a different denominator).
 # Files: $OUT/seed_<mode>.jsonl (metrics rows; LOSS: seed_capped.jsonl, seed_uncapped.jsonl), $OUT/seed.md, $OUT/logs.tgz.
@@ -75,6 +80,16 @@ if [ -n "${LOSS:-}" ]; then
   case " ${LOSS_RUNS:-capped uncapped} " in *" capped "*) run capped false $W/ds.json "$LOSS" --memory_fraction "$FRACTION" ;; esac
   case " ${LOSS_RUNS:-capped uncapped} " in *" uncapped "*) run uncapped false $W/uncapped.json "$LOSS" ;; esac
   NAMES="capped uncapped"
+elif [ -n "${FIRST:-}" ]; then
+  batch="train_micro_batch_size_per_gpu=2 gradient_accumulation_steps=2 train_batch_size=4"
+  edit ds_configs/zero2.json $W/fp32.json $batch bf16.enabled=False || exit 1
+  edit ds_configs/zero2.json $W/master.json $batch || exit 1
+  edit ds_configs/zero2_bf16_states.json $W/bf16.json $batch || exit 1
+  SR=false run fp32 false $W/fp32.json "$FIRST"
+  SR=false run master false $W/master.json "$FIRST"
+  SR=auto run sr false $W/bf16.json "$FIRST"
+  SR=false run nearest false $W/bf16.json "$FIRST"
+  NAMES="fp32 master sr nearest"; LOSS=$FIRST
 else
   for mode in ${MODES:-false dense all}; do
     run "$mode${SR:+_sr_$SR}" "$mode" $W/ds.json "${STEPS:-12}" --memory_fraction "$FRACTION"
@@ -98,9 +113,9 @@ if loss:
     steps = sorted(set.intersection(*(set(b) for b in by))) if by else []
     for s in steps:
         print(f"| {s} | " + " | ".join(f"{b[s]:.4f}" for b in by) + " |")
-    if len(by) == 2 and steps:
-        gaps = [abs(by[0][s] - by[1][s]) for s in steps]
-        print(f"\nlargest |capped - uncapped| {max(gaps):.4f} (step {steps[gaps.index(max(gaps))]}), mean {statistics.mean(gaps):.4f}")
+    for i in range(1, len(by)):
+        gaps = [abs(by[0][s] - by[i][s]) for s in steps]
+        print(f"\nlargest |{got[i]} - {got[0]}| {max(gaps):.4f} (step {steps[gaps.index(max(gaps))]}), mean {statistics.mean(gaps):.4f}")
 else:
     print("| train.fp8 | steps | tokens/s (median from step 3) | vs bf16 | MFU (median) | peak GiB | host RAM GiB | loss first -> last |")
     print("|---|---|---|---|---|---|---|---|")
