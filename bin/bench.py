@@ -43,7 +43,7 @@ from engine.config import ConfigError, load_recipe  # noqa: E402
 from engine.ds_config import read_ds_config, resolve_ds_config  # noqa: E402
 from engine.data import load_tokenizer, to_device  # noqa: E402
 from engine.devprof import idle_report  # noqa: E402
-from engine.metrics import DeviceClock  # noqa: E402
+from engine.metrics import DeviceClock, json_line  # noqa: E402
 from engine.parallel import device_kind, init_distributed, world_from_env  # noqa: E402
 from engine import pipeline, pretrain  # noqa: E402
 from engine.flops import H100_SXM_BF16_TFLOPS, model_flops_per_token, peak_tflops  # noqa: E402
@@ -51,7 +51,7 @@ from engine.proc import print_error  # noqa: E402
 
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--deepspeed_config", required=True)
     ap.add_argument("--config", default=None, help="recipe YAML (default: the embedded tiny recipe)")
@@ -68,9 +68,10 @@ def main() -> int:
     ap.add_argument("--label", default="")
     ap.add_argument("--profile", type=int, default=0, metavar="N")
     ap.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     world = world_from_env()
     try:
+        check_args(args)
         recipe = load_recipe(args.config, {**parse_sets(args.set, "--set"),
                                            "train.max_steps": args.warmup + args.steps + args.profile})
         raw = read_ds_config(args.deepspeed_config)
@@ -81,8 +82,11 @@ def main() -> int:
         for dotted, value in parse_sets(args.ds_set, "--ds_set").items():
             *path, key = dotted.split(".")
             node = raw
-            for part in path:
+            for i, part in enumerate(path):
                 node = node.setdefault(part, {})
+                if not isinstance(node, dict):
+                    raise ConfigError(f"--ds_set {dotted}: {'.'.join(path[:i + 1])} is {node!r} in "
+                                      f"{args.deepspeed_config}, not a section; set it whole or name a section's key")
             node[key] = value
         wanted = "auto" in (raw.get("train_micro_batch_size_per_gpu"), raw.get("gradient_accumulation_steps"))
         auto = AutoBatch(memory_gib=device_memory_gib(device_kind(), args.memory_fraction) if wanted else None)
@@ -144,6 +148,7 @@ def main() -> int:
     acc.synchronize()  # the only wait in the timed window: at its end
     elapsed = time.perf_counter() - t_start
     times = timer.totals()
+    peak_gib = pretrain.peak_memory_gib()  # the timed steps' (the profiled ones come after)
     if args.profile:
         profile(train_step, args.profile, acc.device_name(), f"{args.out}.profile.txt", world.rank)
     tokens_per_rank = args.steps * engine.train_batch_size() * recipe.data.seq_len / world.size
@@ -157,14 +162,32 @@ def main() -> int:
            "params_m": round(total / 1e6, 3), "active_m": round(active / 1e6, 3),
            "tokens_per_s_per_gpu": round(tps), "mfu": float(f"{tps * flops_tok / (peak * 1e12):.4g}"),
            **{f"{k}_ms": round(1000 * v / args.steps, 1) if v else None for k, v in times.items()},
-           "peak_gib": round(acc.max_memory_allocated() / 2**30, 2), "loss": round(loss.item(), 4),
+           "peak_gib": round(peak_gib, 2), "loss": round(loss.item(), 4),
            "losses": [round(float(x), 4) for x in losses[:args.warmup + args.steps]],
            "sets": args.set, "ds_sets": args.ds_set, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     if world.rank == 0:
         with open(args.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json_line(row) + "\n")
         print_table([json.loads(line) for line in open(args.out)])
     return 0
+
+
+def check_args(args) -> None:
+    """The numeric flags and --out, before anything is built: one line naming each problem."""
+    p = []
+    if args.steps < 1:
+        p.append(f"--steps {args.steps}: must be >= 1 (the timed steps)")
+    if args.warmup < 0 or args.profile < 0:
+        p.append(f"--warmup {args.warmup} / --profile {args.profile}: must be >= 0")
+    if args.micro_batch is not None and args.micro_batch < 1:
+        p.append(f"--micro_batch {args.micro_batch}: must be >= 1 (leave it out for the DS config's value)")
+    if args.memory_fraction is not None and not 0 < args.memory_fraction <= 1:
+        p.append(f"--memory_fraction {args.memory_fraction}: must be in (0, 1], e.g. 0.5596 for 80 GB of an H200")
+    out_dir = Path(args.out).resolve().parent
+    if not out_dir.is_dir() or not os.access(out_dir, os.W_OK):
+        p.append(f"--out {args.out}: {out_dir} is not a writable directory; create it or name another file")
+    if p:
+        raise ConfigError("; ".join(p))
 
 
 def parse_sets(items: list[str], flag: str) -> dict:
@@ -173,7 +196,11 @@ def parse_sets(items: list[str], flag: str) -> dict:
         key, eq, value = item.partition("=")
         if not eq or not key:
             raise ConfigError(f"{flag} {item!r}: expected KEY=VALUE, e.g. {flag} train.lr=1e-4")
-        out[key] = yaml.safe_load(value)
+        try:
+            out[key] = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{flag} {item!r}: the value is not YAML ({getattr(e, 'problem', None) or e}); quote "
+                              f"it for the shell, e.g. {flag} '{key}=[1, 2]'") from None
     return out
 
 

@@ -5,6 +5,7 @@ Only rank 0 writes; other ranks get the same object and it does nothing (no rank
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -12,6 +13,23 @@ from pathlib import Path
 
 def rank() -> int:
     return int(os.environ.get("RANK", "0"))
+
+
+def finite(value):
+    """The value with every float that is not finite (NaN, inf: a diverged loss, a skipped step's gradient norm)
+    as None, inside lists and dicts too: JSON has no NaN or Infinity, and many readers reject them."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
+def json_line(row: dict) -> str:
+    """One metrics row as standard JSON (non-finite floats as null)."""
+    return json.dumps(finite(row), allow_nan=False)
 
 
 def print0(*args, **kwargs) -> None:
@@ -35,11 +53,10 @@ class Metrics:
     def log(self, row: dict) -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps(row) + "\n")
+        self.file.write(json_line(row) + "\n")
         self.file.flush()
         if self.monitor is not None:
-            self.monitor.write_events([(f"Train/{k}", v, row["step"]) for k, v in row.items()
-                                       if k != "step" and isinstance(v, (int, float))])
+            self.monitor.write_events(monitor_events(row))
         shown = {k: row[k] for k in ("loss", "reward", "eval_reward", "kl", "lr", "tokens_per_s") if k in row}
         if self.bar is not None and not self.bar.disable:
             self.bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items()}, refresh=False)
@@ -54,6 +71,21 @@ class Metrics:
         if self.enabled:
             self.bar.close()
             self.file.close()
+
+
+def monitor_events(row: dict) -> list[tuple[str, float, int]]:
+    """The row for DeepSpeed's monitor: each number as Train/<key>, each list of numbers (per layer, e.g.
+    expert_load_max_over_mean) as Train/<key>/<index>; other values (text) are not sent."""
+    events = []
+    for k, v in row.items():
+        if k == "step" or isinstance(v, bool):
+            continue
+        if isinstance(v, (int, float)):
+            events.append((f"Train/{k}", v, row["step"]))
+        elif isinstance(v, (list, tuple)):
+            events += [(f"Train/{k}/{i}", x, row["step"]) for i, x in enumerate(v)
+                       if isinstance(x, (int, float)) and not isinstance(x, bool)]
+    return events
 
 
 class DeviceClock:

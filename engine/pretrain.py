@@ -261,6 +261,8 @@ def compile_outside_autoep(model: torch.nn.Module) -> list[str]:
 
 
 def train(recipe: Recipe, engine, data, tok, world: World) -> list[dict]:
+    from deepspeed.accelerator import get_accelerator
+
     balance = ExpertBalance(engine.module, recipe.train.balance_rate, **pipeline.balance_layout(engine))
     state = checkpoint.load(engine, recipe.run_dir) if recipe.resume else {"step": 0, "position": 0, "tokens": 0}
     step, position, tokens = state["step"], state["position"], state["tokens"]
@@ -281,7 +283,8 @@ def train(recipe: Recipe, engine, data, tok, world: World) -> list[dict]:
     ep = (engine.config.get("expert_parallel") or {}).get("autoep_size", 1)
     flops_tok = model_flops_per_token(engine, engine.module.config, recipe.data.seq_len, ep)[0]
     peak = peak_tflops(device)
-    rows, t0, loss_sum, logged = [], time.time(), torch.zeros((), device=device), step
+    # The rate's window: from the last row to this one, less the time spent saving checkpoints in between.
+    rows, t0, loss_sum, logged, saving = [], time.time(), torch.zeros((), device=device), step, 0.0
     while step < recipe.train.max_steps:
         position, loss = train_step(engine, batches, accum, position)
         loss_sum += loss
@@ -294,9 +297,10 @@ def train(recipe: Recipe, engine, data, tok, world: World) -> list[dict]:
         if step % recipe.train.log_every == 0 or step == recipe.train.max_steps or stop:
             n = step - logged  # steps since the last row (fewer after a resume or a stop)
             torch.distributed.all_reduce(loss_sum)
-            elapsed = time.time() - t0
+            mean_loss = loss_sum.item() / n / world.size  # waits for the device: the window holds all of its work
+            elapsed = time.time() - t0 - saving
             per_rank = n * tokens_per_step / elapsed / world.size  # tokens/s
-            row = {"step": step, "loss": loss_sum.item() / n / world.size, "lr": engine.get_lr()[0],
+            row = {"step": step, "loss": mean_loss, "lr": engine.get_lr()[0],
                    "tokens_per_s": n * tokens_per_step / elapsed, "tokens_per_s_per_rank": per_rank,
                    "tflops_per_s_per_rank": per_rank * flops_tok / 1e12,
                    **({"mfu": per_rank * flops_tok / 1e12 / peak} if peak else {}),
@@ -304,9 +308,12 @@ def train(recipe: Recipe, engine, data, tok, world: World) -> list[dict]:
                    **grad_stats(engine), **balance.load_stats()}
             metrics.log(row)
             rows.append(row)
-            t0, loss_sum, logged = time.time(), torch.zeros((), device=device), step
+            t0, loss_sum, logged, saving = time.time(), torch.zeros((), device=device), step, 0.0
         if save:
+            get_accelerator().synchronize()  # the step's own work stays in the window
+            s0 = time.time()
             checkpoint.save(engine, recipe, {"step": step, "position": position, "tokens": tokens}, tok)
+            saving += time.time() - s0
         if stop:  # a signal, the stop file, or a rank that cannot read the next step's data (then saved only with at_end)
             if not saver.failed:
                 print0(f"stopped by {saver.why()} after step {step}; saved, continue with --resume")
@@ -419,10 +426,16 @@ def report_error(e: Exception, world: World) -> None:
 
 
 def peak_memory_gib() -> float:
-    """This rank's peak accelerator memory (peak RSS on the CPU accelerator)."""
+    """This rank's peak accelerator memory; on the CPU accelerator the process's peak RSS (the kernel's own maximum:
+    DeepSpeed's CPU accelerator only samples RSS when asked, and misses what was freed in between)."""
     from deepspeed.accelerator import get_accelerator
 
-    return round(get_accelerator().max_memory_allocated() / 2**30, 3)
+    acc = get_accelerator()
+    if acc.device_name() == "cpu":
+        import resource
+
+        return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)  # KiB on Linux
+    return round(acc.max_memory_allocated() / 2**30, 3)
 
 
 def forget_zero3_for_transformers() -> None:

@@ -157,3 +157,27 @@ def test_mfu_peak_comes_from_the_gpu_model_by_whole_name():
     assert peak_for_name("NVIDIA A100-SXM4-80GB") == 312.0
     assert peak_for_name("NVIDIA H800 PCIe") == 756.0 and peak_for_name("NVIDIA H800") == H100_SXM_BF16_TFLOPS
     assert peak_for_name("NVIDIA L4") is None  # no MFU rather than a wrong one
+
+
+def test_bad_flags_get_one_line_before_anything_is_built(tmp_path, capsys):
+    """Each bad flag: exit 2 and one error line, before a model is built or --out is written (a bad YAML value, a
+    --ds_set key under a number, no timed steps, a memory fraction out of (0, 1], a micro-batch of 0, an --out in
+    a directory that does not exist)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_cli", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "b.jsonl"
+    cases = {("--set", "train.lr=["): "--set 'train.lr=[': the value is not YAML",
+             ("--ds_set", "zero_optimization.stage.x=1"): "--ds_set zero_optimization.stage.x: zero_optimization.stage is 3",
+             ("--steps", "0"): "--steps 0: must be >= 1",
+             ("--memory_fraction", "2"): "--memory_fraction 2.0: must be in (0, 1]",
+             ("--micro_batch", "0"): "--micro_batch 0: must be >= 1",
+             ("--out", str(tmp_path / "no" / "x.jsonl")): f"{tmp_path / 'no'} is not a writable directory"}
+    for flags, want in cases.items():
+        args = ["--deepspeed_config", str(ZERO3), "--out", str(out), *flags]
+        assert bench.main(args) == 2, flags
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(err) == 1 and err[0].startswith("error: ") and want in err[0], (flags, err)
+    assert not out.exists()

@@ -437,8 +437,55 @@ def test_metrics_and_overrides_reach_the_run(tmp_path):
     # DeepSpeed's monitor (csv here; tensorboard/wandb the same way) gets the rows metrics.jsonl gets
     csv_rows = (tmp_path / "csv" / "job" / "Train_loss.csv").read_text().split()[1:]
     assert [(int(a), float(b)) for a, b in (r.split(",") for r in csv_rows)] == [(r["step"], r["loss"]) for r in m]
+    for layer in (0, 1):  # a per-layer list: one series per layer
+        csv_rows = (tmp_path / "csv" / "job" / f"Train_expert_load_max_over_mean_{layer}.csv").read_text().split()[1:]
+        assert [float(r.split(",")[1]) for r in csv_rows] == [r["expert_load_max_over_mean"][layer] for r in m]
     saved = json.loads((tmp_path / "run" / "checkpoints" / "step_00000005" / "engine_state.json").read_text())
     assert saved["recipe"]["data"]["path"] == str(tmp_path / "docs.parquet")
+
+
+def test_a_rows_rate_leaves_out_checkpoint_saves_and_its_norm_is_before_clipping(tmp_path, monkeypatch):
+    """Each row's tokens/s is over the steps since the last row, less the time spent saving checkpoints (a save
+    here takes 1000 s on the run's clock); grad_norm is the norm before clipping (clipping at 1e-6 here)."""
+    import types
+
+    import engine.checkpoint
+    import engine.pretrain
+    from conftest import run_ranks
+
+    skew = [0.0]
+    real_time, real_save = time.time, engine.checkpoint.save
+    monkeypatch.setattr(engine.pretrain, "time", types.SimpleNamespace(time=lambda: real_time() + skew[0]))
+
+    def slow_save(*args, **kwargs):
+        skew[0] += 1000.0
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(engine.checkpoint, "save", slow_save)
+    (tmp_path / "r.yaml").write_text(TINY.replace("max_steps: 600", "max_steps: 5").replace("log_every: 10", "log_every: 2")
+                                     .replace("every_steps: 200", "every_steps: 3"))
+    ds = write_ds(tmp_path / "ds.json", gradient_clipping=1e-6)
+    run_ranks(1, PRETRAIN, "--deepspeed_config", ds, "--config", tmp_path / "r.yaml", "--run_dir", tmp_path / "run",
+              cwd=tmp_path)
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [2, 4, 5] and skew[0] == 2000.0  # saved at steps 3 and 5 (the end)
+    for r, n in zip(rows, (2, 2, 1)):
+        seconds = n * (r["tokens"] / r["step"]) / r["tokens_per_s"]  # the row's window, from its own rate
+        assert 0 < seconds < 200, (r, seconds)  # the tiny model's steps take well under a second each
+        assert r["tokens_per_s"] == pytest.approx(r["tokens_per_s_per_rank"] * r["world_size"])
+        assert r["grad_norm"] > 1e-3, r  # the unclipped norm (the tiny model's is ~1)
+
+
+def test_a_row_is_standard_json_with_non_finite_values_as_null():
+    """NaN and inf (a diverged loss, a skipped step's norm) are written as null, in lists too: standard JSON, which
+    JavaScript's and jq's parsers read; finite values and the row's other fields are unchanged."""
+    from engine.metrics import json_line
+
+    row = {"step": 3, "loss": float("nan"), "grad_norm": float("inf"), "lr": 1e-4, "skipped_steps": 1,
+           "expert_load_max_over_mean": [1.5, float("-inf")], "note": "x"}
+    line = json_line(row)
+    assert "NaN" not in line and "Infinity" not in line
+    assert json.loads(line) == {**row, "loss": None, "grad_norm": None, "expert_load_max_over_mean": [1.5, None]}
 
 
 def test_lr_warms_up_linearly_then_follows_a_cosine_to_the_floor():
@@ -547,8 +594,8 @@ def test_a_refusing_rank_whose_peers_never_come_says_its_own_line(tmp_path):
 def test_zero2_skips_a_non_finite_step_without_the_per_tensor_overflow_check(tmp_path, ranks):
     """engine.parallel.one_overflow_check drops DeepSpeed ZeRO-2's per-tensor inf/NaN check, leaving the global norm's
     check: a finite step still updates, and a step whose gradients hold NaN or inf (on one rank of two, too) is
-    skipped on every rank (weights unchanged, one more skipped step, the norm reported as inf), exactly as with
-    DeepSpeed's own check put back (tests/scripts/overflow_steps.py)."""
+    skipped on every rank (weights unchanged, one more skipped step, the norm reported as inf, in the metrics row as
+    null), exactly as with DeepSpeed's own check put back (tests/scripts/overflow_steps.py)."""
     run_ranks(ranks, ROOT / "tests" / "scripts" / "overflow_steps.py", tmp_path / "out", cwd=tmp_path)
     for rank in range(ranks):
         got = json.loads((tmp_path / "out" / f"rank{rank}.json").read_text())
@@ -556,3 +603,7 @@ def test_zero2_skips_a_non_finite_step_without_the_per_tensor_overflow_check(tmp
         steps = [(s["scale"], s["changed"], s["skipped_steps"], s["norm"] == "inf") for s in got["steps"]]
         assert steps == [("1.0", True, 0, False), ("nan", False, 1, True), ("inf", False, 2, True),
                          ("nan", False, 3, True), ("1.0", True, 3, False)], (rank, steps)
+        # the metrics row: the count, and the norm as null on a skipped step (JSON has no inf)
+        rows = [(s["row"]["skipped_steps"], s["row"]["grad_norm"]) for s in got["steps"]]
+        assert rows == [(s["skipped_steps"], None if s["norm"] == "inf" else s["norm_value"]) for s in got["steps"]]
+        assert all(r[1] is None or 0 < r[1] < float("inf") for r in rows)

@@ -1,7 +1,7 @@
 """Optimizer steps with finite and non-finite gradients on the tiny ZeRO-2 engine (engine.parallel.one_overflow_check);
 started as `deepspeed --num_gpus N tests/scripts/overflow_steps.py OUT_DIR`. Each step's loss is scaled by a factor
 on one rank only (the last), the others keep 1: whether the weights changed, the skipped-step count and the global
-norm after each step go to OUT_DIR/rank{r}.json. The steps: finite; NaN; inf; NaN and finite again with DeepSpeed's
+norm after each step go to OUT_DIR/rank{r}.json, with the metrics row's fields for it. The steps: finite; NaN; inf; NaN and finite again with DeepSpeed's
 own per-tensor check put back."""
 import json
 import os
@@ -19,7 +19,8 @@ from engine.config import load_recipe  # noqa: E402
 from engine.data import load_tokenizer  # noqa: E402
 from engine.ds_config import read_ds_config, resolve_ds_config  # noqa: E402
 from engine.parallel import init_distributed, world_from_env  # noqa: E402
-from engine.pretrain import build  # noqa: E402
+from engine.metrics import json_line  # noqa: E402
+from engine.pretrain import build, grad_stats  # noqa: E402
 
 
 def main() -> None:
@@ -44,7 +45,9 @@ def main() -> None:
         engine.backward(engine(input_ids=ids, labels=ids).loss * mine)
         engine.step()
         rows.append({"scale": str(scale), "changed": any(not torch.equal(a, b) for a, b in zip(before, weights())),
-                     "skipped_steps": engine.skipped_steps, "norm": str(engine.get_global_grad_norm())})
+                     "skipped_steps": engine.skipped_steps, "norm": str(engine.get_global_grad_norm()),
+                     "norm_value": float(engine.get_global_grad_norm()),
+                     "row": json.loads(json_line(grad_stats(engine)))})  # what a metrics row says of the step
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{world.rank}.json").write_text(json.dumps({"dropped": dropped, "steps": rows}))
 
