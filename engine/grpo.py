@@ -219,6 +219,9 @@ def preflight(args, world: World):
     if recipe.train.fp8:
         problems.append(f"train.fp8 ({recipe.train.fp8}): bin/pretrain.py only so far; GRPO trains in the DS config's "
                         "precision (set train.fp8: false in the GRPO recipe)")
+    if recipe.train.balance_rate > 0:
+        problems.append(f"train.balance_rate ({recipe.train.balance_rate:g}): GRPO keeps the routing biases the policy "
+                        "was trained with (bin/pretrain.py adapts them); set train.balance_rate: 0 in the GRPO recipe")
     if batch is None and g.prompts_per_step_per_gpu is not None and \
             g.prompts_per_step_per_gpu * group_of(g) != per_rank:
         problems.append(f"grpo.prompts_per_step_per_gpu ({g.prompts_per_step_per_gpu}) x "

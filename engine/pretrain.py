@@ -20,7 +20,8 @@ from .balance import ExpertBalance
 from .config import ConfigError, Recipe, load_recipe
 from .data import ReadAhead, build_data, load_tokenizer, to_device
 from .data_check import check_corpus
-from .ds_config import compile_blocker, read_ds_config, resolve_ds_config, zero3_compiles_layers, zero_stage
+from .ds_config import (compile_blocker, read_ds_config, resolve_ds_config, uses_expert_parallel, zero3_compiles_layers,
+                        zero_stage)
 from .metrics import Metrics, print0
 from .watchdog import PeerTimeoutError, peer_timeout
 from .model import build_model
@@ -104,6 +105,11 @@ def preflight(args: argparse.Namespace, world: World):
         problems += check_corpus(data, tok, batch, dp)  # files, rows, encoding, tokens (a bounded sample)
     if recipe is not None and raw is not None:
         problems += fp8_problems(recipe.train.fp8, raw, device_kind())
+        if recipe.train.balance_rate > 0 and not uses_expert_parallel(raw):
+            problems.append(f"train.balance_rate ({recipe.train.balance_rate:g}): the routing biases are balanced in "
+                            f"DeepSpeed's AutoEP layers, and DeepSpeed config {args.deepspeed_config} has no enabled "
+                            "expert_parallel section; use ds_configs/zero2.json or zero3.json, or set "
+                            "train.balance_rate: 0")
     if ds is not None and "pipeline" not in ds:  # this machine's memory against what the offload keeps there
         found = host_memory_problem(ds, recipe, world.size, min(world.local_size, world.size))
         problems += [f"DeepSpeed config {args.deepspeed_config}: {found}"] if found else []

@@ -387,6 +387,7 @@ TINY = (ROOT / "engine" / "recipes" / "grpo_tiny.yaml").read_text()
     ("init_from_without_checkpoint", "--init_from"),
     ("random_init", "no --init_from (nor model.init_from): GRPO would train a randomly initialised policy, which "
                     "earns no reward"),
+    ("balance_rate", "train.balance_rate (0.01): GRPO keeps the routing biases the policy was trained with"),
 ])
 def test_bad_input_is_one_clear_line_before_any_work(tmp_path, case, expect, capfd, monkeypatch):
     """engine.grpo.main (what bin/grpo.py runs) in this process, as rank 0 of 1 from the repo root: exit 2, one line
@@ -405,6 +406,8 @@ def test_bad_input_is_one_clear_line_before_any_work(tmp_path, case, expect, cap
         recipe = TINY.replace("group_size: 8", "group_size: 5")  # zero3_grpo.json: 16 x 4 = 64 per rank
     elif case == "missing_init_from":
         args = ["--init_from", "/nonexistent/pretrain_run"]
+    elif case == "balance_rate":  # a pretraining recipe's setting copied over: it would do nothing here
+        recipe = TINY.replace("balance_rate: 0.0", "balance_rate: 0.01")
     elif case == "init_from_without_checkpoint":
         (tmp_path / "empty").mkdir()  # exists, but neither a run dir with checkpoints nor a HF model dir
         args = ["--init_from", tmp_path / "empty"]

@@ -333,6 +333,8 @@ TINY = (RECIPES / "tiny.yaml").read_text()
     ("ds_and_data_together", "train_batch_size (10) != "),
     ("recipe_and_data_together", "train.max_step: unknown key"),
     ("negative_checkpoint_every", "checkpoint: every_steps and every_minutes must be >= 0"),
+    ("balance_without_autoep", "train.balance_rate (0.01): the routing biases are balanced in DeepSpeed's AutoEP "
+     "layers, and DeepSpeed config"),
 ])
 def test_bad_input_is_one_clear_line_before_any_work(tmp_path, case, expect, capfd, monkeypatch):
     """engine.pretrain.main (what bin/pretrain.py runs) in this process, as rank 0 of `world`: exit 2, one line on
@@ -392,6 +394,8 @@ def bad_input(tmp_path, case: str, run):
     elif case == "ds_and_data_together":
         ds = write_ds(tmp_path / "ds.json", train_batch_size=10)
         args = ["--data", "/nonexistent/corpus.jsonl"]
+    elif case == "balance_without_autoep":  # tiny.yaml balances at 0.01; without AutoEP nothing would
+        ds = write_ds(tmp_path / "ds.json", drop=("expert_parallel",))
     elif case == "resume_without_checkpoint":
         args = ["--resume"]
     elif case == "negative_checkpoint_every":  # --checkpoint_every overrides checkpoint.every_steps

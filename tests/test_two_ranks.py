@@ -132,6 +132,17 @@ def test_two_ranks_train_to_the_same_parameters_as_one(runs):
     assert_same_parameters(params["one"], params["two"])
 
 
+def test_the_routing_biases_stay_equal_on_every_rank(runs):
+    """train.balance_rate: each rank routes its own data, and the bias update uses the loads summed over the ranks,
+    so both ranks hold the same biases after every step, those of the 1-rank run on the same global batch (to one
+    update step of 0.001 where a near-tie routed a token differently); and they moved."""
+    one, two, _ = runs
+    b0, b1, ref = two[0]["biases"], two[1]["biases"], one[0]["biases"]
+    assert b0 and b0 == b1  # exactly: an update from one rank's own loads would differ here
+    assert any(any(v != 0 for v in b) for b in b0.values())
+    assert max(abs(x - y) for n in ref for x, y in zip(ref[n], b0[n])) <= 0.001 + 1e-9
+
+
 def assert_same_parameters(p1: dict, p2: dict) -> None:
     """Two fp32 runs' trained parameters that differ only by rounding: summation order (reduce-scatter over 2 ranks
     vs a local sum, the order autograd adds a tensor's gradient contributions) or inductor's fused kernels, ~1e-7

@@ -113,6 +113,7 @@ def main() -> None:
 
     rows = pretrain.train(recipe, engine, data, tok, world)
     info["losses"] = [r["loss"] for r in rows]
+    info["biases"] = {n: b.tolist() for n, b in engine.module.named_buffers() if n.endswith("e_score_correction_bias")}
 
     import deepspeed
     gathered = {}
