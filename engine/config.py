@@ -41,6 +41,8 @@ class ModelConfig:
     num_experts: int = 8
     experts_per_token: int = 2
     num_shared_experts: int = 1
+    """Shared experts of each MoE layer (deepseek_v3, deepseek_v2, qwen3_5_moe: one block of this many x
+    moe_intermediate_size). qwen3_moe and mixtral have none: there more than 1 is refused, 0 or 1 mean none."""
     first_dense_layers: int = 0
     """deepseek_v3, deepseek_v2: how many leading layers use a dense MLP instead of MoE."""
     vocab_size: int = 512
@@ -248,8 +250,8 @@ class GRPOConfig:
     expert's weights read once per token step by a grouped GEMM) | batched_mm (copies every token's top-k expert
     weights) | eager."""
     decode_attention: str = "auto"
-    """Attention of the rollout decoder's DeepSeek (MLA) layers at each decode step: auto (torch, until the Triton
-    kernel is measured on a GPU) | torch (the absorbed MLA's batched GEMMs and softmax) | triton (one kernel per layer:
+    """Attention of the rollout decoder's DeepSeek (MLA) layers at each decode step: auto (triton on CUDA where the
+    triton package is installed, torch elsewhere) | torch (the absorbed MLA's batched GEMMs and softmax) | triton (one kernel per layer:
     scores, online softmax and the weighted sum of the latent cache, engine/mla_decode.py; CUDA only)."""
     eval_path: str | None = None
     """Held-out prompts (jsonl with prompt/answer), scored greedily at eval_every steps."""
@@ -405,6 +407,11 @@ def load_recipe(path: str | Path | None = None, overrides: dict | None = None) -
             target[key] = value
     problems: list[str] = []
     recipe = _fill(Recipe, raw, "", problems)
+    given = (raw.get("model") if isinstance(raw, dict) else None) or {}
+    if (isinstance(given, dict) and given.get("arch") in ("qwen3_moe", "mixtral") and not given.get("init_from")
+            and isinstance(given.get("num_shared_experts"), int) and given["num_shared_experts"] > 1):  # 1: the default
+        problems.append(f"model.num_shared_experts: {given['arch']} has no shared experts (transformers builds none); "
+                        "remove the key, or use deepseek_v3 or qwen3_5_moe for a model with them")
     if isinstance(recipe.data, DataConfig) and isinstance(recipe.grpo, GRPOConfig):
         recipe.data.path, recipe.data.tokenizer = bundled(recipe.data.path), bundled(recipe.data.tokenizer)
         recipe.grpo.eval_path = bundled(recipe.grpo.eval_path)

@@ -257,6 +257,9 @@ def preflight(args, world: World):
         print0(f"note: data.tokenizer {recipe.data.tokenizer} has no pad token; padding with its EOS token "
                f"{tok.eos_token!r}")
         tok.pad_token = tok.eos_token
+    if g.top_p < 1:
+        print0(f"note: grpo.top_p {g.top_p:g} samples from the nucleus; the loss, the KL term and rollout correction "
+               "score the whole softmax (top_p 1 samples and scores one distribution)")
     prompts = load_prompts(recipe.data.path)
     evals = load_prompts(g.eval_path, "grpo.eval_path") if g.eval_path else []
     init_from, problem = resumed_init(args.init_from, recipe)

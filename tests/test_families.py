@@ -450,3 +450,6 @@ def test_no_shared_expert_is_refused_where_transformers_builds_one():
         # and a dense first layer, which make_hf_config would not build for these families: refused, not ignored
         with pytest.raises(ConfigError, match=rf"model.first_dense_layers: {arch} is built with an MoE block"):
             load_recipe(None, {"model.arch": arch, "model.first_dense_layers": 1, "train.balance_rate": 0.0})
+        # and shared experts it would not build either (1 is the field's default, read as none)
+        with pytest.raises(ConfigError, match=rf"model.num_shared_experts: {arch} has no shared experts"):
+            load_recipe(None, {"model.arch": arch, "model.num_shared_experts": 2, "train.balance_rate": 0.0})
