@@ -226,3 +226,73 @@ def test_a_late_stop_check_samples_the_same_tokens(check_every, device):
         assert torch.equal(now[0], late[0]) and torch.equal(now[1], late[1]) and torch.equal(now[3], late[3])
         assert late[2] == now[2] + extra, (late[2], now[2])
         assert (now[0].shape[1] - 5 < 12) == (eos_id == eos)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled, CUDA-graphed decode step runs on CUDA only")
+@pytest.mark.parametrize("attention", ["torch", "triton"])
+def test_the_compiled_decoder_on_cuda_matches_generate_and_the_eager_decoder(attention):
+    """The path GPU rollouts take: Decoder(compile=True) (the decode step compiled and CUDA-graphed) on an fp32
+    3-layer DeepSeek-V3, prompts of three widths with left padding and part-filled batches, before and after a
+    refresh with new weights: greedy tokens equal transformers' generate (with an EOS too, stopping where it stops)
+    and the eager decoder's, with the same recorded routes; sampled tokens' log-probs equal a plain forward's; a
+    tree rollout equals the eager decoder's."""
+    if attention == "triton":
+        pytest.importorskip("triton")
+    from transformers import AutoModelForCausalLM
+
+    from engine.config import ModelConfig, TreeConfig
+    from engine.decoder import Decoder
+    from engine.model import make_hf_config
+    from engine.tree import generate_tree
+
+    torch.manual_seed(0)
+    m = ModelConfig(q_lora_rank=48, num_layers=3, first_dense_layers=1)
+    model = AutoModelForCausalLM.from_config(make_hf_config(m)).eval().cuda()
+    model.generation_config.eos_token_id = None
+    fast = Decoder(model, "cuda", batch_size=8, cache_len=64, compile=True, record_routes=True, attention=attention)
+    slow = Decoder(model, "cuda", batch_size=8, cache_len=64, compile=False, record_routes=True, attention="torch")
+    for refresh in range(2):
+        for width, n in ((9, 5), (13, 8), (4, 3)):
+            g = torch.Generator().manual_seed(10 * width + refresh)
+            ids = torch.randint(3, 512, (n, width), generator=g).cuda()
+            mask = torch.ones_like(ids)
+            mask[0, : width // 2] = 0
+            mask[-1, :1] = 0
+            got = fast.generate(ids, mask, 12, -1, 0, temperature=0)
+            with torch.no_grad():
+                want = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+            eager = slow.generate(ids, mask, 12, -1, 0, temperature=0)
+            case = (attention, refresh, width)
+            assert torch.equal(got, want) and torch.equal(got, eager), case
+            assert torch.equal(fast.last_routes(n, got.shape[1]), slow.last_routes(n, eager.shape[1])), case
+            eos = int(got[1, width + 2])  # row 1's third token ends it
+            got = fast.generate(ids, mask, 12, eos, 0, temperature=0)
+            with torch.no_grad():
+                want = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                                      eos_token_id=eos)
+            assert got.shape == want.shape and torch.equal(got, want), case
+            torch.manual_seed(7)
+            sampled = fast.generate(ids, mask, 12, eos, 0, temperature=0.7)
+            resp = sampled[:, width:]
+            ended = (resp == eos).long()
+            live = (ended.cumsum(1) - ended) == 0  # up to and including the EOS
+            full = torch.cat([mask, live.long()], 1)
+            with torch.no_grad():
+                logits = model(sampled, attention_mask=full, position_ids=(full.cumsum(-1) - 1).clamp(min=0)).logits
+            ref = (logits.float()[:, width - 1:-1] / 0.7).log_softmax(-1).gather(-1, resp[..., None])[..., 0]
+            assert ((fast.last_logps - ref).abs() * live).max().item() < 1e-4, case
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        fast.refresh(model)
+        slow.refresh(model)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 512, (2, 7), generator=g).cuda()
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    tree = TreeConfig(enabled=True, trees=1, branch_points=1, branches=1, iterations=1)
+    leaves = tree.leaves()
+    outs = [generate_tree(Decoder(model, "cuda", batch_size=2 * leaves, cache_len=7 + 16, compile=c,
+                                  attention=attention if c else "torch"), ids, mask, tree, 8, eos_id=-1, pad_id=0,
+                          temperature=0)[0] for c in (True, False)]
+    assert torch.equal(*outs)
