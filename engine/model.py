@@ -120,7 +120,10 @@ def compile_parameter_free(model: torch.nn.Module, lengths_vary: bool = False) -
     scale and cast of each operand are separate passes, forward and backward). Eager ops read and write the whole activation once per op (RMSNorm
     alone is seven passes, in fp32); each compiled function is one fused kernel forward and one backward. Only calls
     made with autograd on use the compiled code: evaluation and decoding (no_grad, or inside another torch.compile)
-    run transformers' eager code. Returns what was patched.
+    run transformers' eager code, and the compiled kernels round where the eager code does
+    (Inductor's emulate_precision_casts; without it a bf16 model's logits differed from the eager ones in 58% of
+    values on the CPU): so GRPO's no-grad passes (reference, old log-probs) and its policy pass agree to the bit on
+    the same weights, and the ratio of its first iteration is exactly 1. Returns what was patched.
     """
     import sys
     import types
@@ -129,8 +132,11 @@ def compile_parameter_free(model: torch.nn.Module, lengths_vary: bool = False) -
     # the last of each input is marked dynamic before the first call, so one trace serves every length; without it a
     # second length recompiles once (on one H200 that made GRPO's ZeRO-3 policy pass at step 2 0.6-0.9 s longer). The
     # last (hidden, head) dimension stays static: RMSNorm reduces over it.
-    norm = torch.compile(_rms_norm)
-    swiglu = torch.compile(_silu_mul)
+    def compile_(fn):
+        return torch.compile(fn, options={"emulate_precision_casts": True})
+
+    norm = compile_(_rms_norm)
+    swiglu = compile_(_silu_mul)
 
     def training(compiled, eager):
         def call(*args, **kwargs):
@@ -170,7 +176,7 @@ def compile_parameter_free(model: torch.nn.Module, lengths_vary: bool = False) -
             module.forward = types.MethodType(mlp_forward, module)
             done.add(f"{kind} (silu(gate) * up)")
         elif kind == "Float8Linear" and hasattr(module, "linear_mm_config"):
-            fp8_mm = fp8_mm or training(torch.compile(_fp8_linear), _fp8_linear)
+            fp8_mm = fp8_mm or training(compile_(_fp8_linear), _fp8_linear)
             module.forward = types.MethodType(fp8_forward, module)
             done.add("Float8Linear (fp8 casts and GEMM)")
     # The attention code calls the rotary functions as globals of its own module: patched there, for this process.
@@ -178,6 +184,6 @@ def compile_parameter_free(model: torch.nn.Module, lengths_vary: bool = False) -
     for name in ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave"):
         eager = getattr(hf_module, name, None)
         if eager is not None and not getattr(eager, "compiled_parameter_free", False):
-            setattr(hf_module, name, training(torch.compile(eager), eager))
+            setattr(hf_module, name, training(compile_(eager), eager))
             done.add(f"{name} (rotary)")
     return sorted(done)

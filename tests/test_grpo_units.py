@@ -363,7 +363,7 @@ def test_parameter_free_functions_compiled_for_varying_lengths_trace_once(monkey
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(make_hf_config(m))
     real = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend="eager", **kw))
+    monkeypatch.setattr(torch, "compile", lambda fn, options=None, **kw: real(fn, backend="eager", **kw))
     hf_module = __import__("sys").modules[type(model).__module__]
     for name in ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave"):  # patched module-wide: restored after
         if hasattr(hf_module, name):
@@ -382,6 +382,34 @@ def test_parameter_free_functions_compiled_for_varying_lengths_trace_once(monkey
         assert graphs[2] == graphs[0], graphs
     else:
         assert graphs[1] > graphs[0], graphs  # what lengths_vary saves
+
+
+def test_compiled_parameter_free_functions_give_the_eager_forward_to_the_bit(monkeypatch):
+    """GRPO's policy pass runs the compiled functions (with autograd), its reference and old-log-prob passes the eager
+    ones (no_grad): in bf16 the two forwards must be equal to the bit, or the first iteration's ratio is not 1 and the
+    KL against an identical reference is not 0. Inductor's C++ kernels here, as its Triton ones on CUDA."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.config import load_recipe
+    from engine.model import compile_parameter_free, make_hf_config
+
+    m = load_recipe(None, {"model.hidden_size": 64, "model.intermediate_size": 128, "model.moe_intermediate_size": 32,
+                           "model.num_layers": 2, "model.first_dense_layers": 1}).model
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(make_hf_config(m), dtype=torch.bfloat16)
+    hf_module = __import__("sys").modules[type(model).__module__]
+    for name in ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave"):  # patched module-wide: restored after
+        if hasattr(hf_module, name):
+            monkeypatch.setattr(hf_module, name, getattr(hf_module, name))
+    x = torch.randint(0, m.vocab_size, (2, 24))
+    with torch.no_grad():
+        eager = model(x).logits
+    torch._dynamo.reset()
+    done = compile_parameter_free(model, lengths_vary=True)
+    assert any("norm" in d for d in done) and any("rotary" in d for d in done), done
+    compiled = model(x).logits  # autograd on: the compiled functions
+    torch._dynamo.reset()
+    assert compiled.requires_grad and torch.equal(compiled, eager)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU arithmetic on the 2-rank pool, which a 1-GPU machine "
