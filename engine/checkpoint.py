@@ -341,15 +341,17 @@ SCHEDULE = ("max_steps", "warmup_steps", "min_lr_ratio", "decay_steps")
 def lr_schedule(recipe: Recipe) -> tuple[Recipe, list[str]]:
     """The recipe with the LR schedule this run uses, and the lines to print about it (before any work).
 
-    On --resume with another train.max_steps (train.decay_steps unset) the checkpoint's schedule is kept: a longer
-    run goes on at the final LR rather than jumping back up a stretched cosine. A schedule changed on purpose
-    (decay_steps, warmup_steps or min_lr_ratio) is used, and the LR jump it makes is printed. A run that is all
-    warmup is warned about."""
+    On --resume with another train.max_steps (train.decay_steps unset) the checkpoint's schedule is kept where the
+    recipe's would change the LR at the next step: a longer run goes on at the final LR rather than jumping back up a
+    stretched cosine. Where both give the same LR there (the checkpoint stopped in its warmup, or where its cosine had
+    not begun), the recipe's schedule goes on from it without a jump, and one line says so. A schedule changed on
+    purpose (decay_steps, warmup_steps or min_lr_ratio) is used, and the LR jump it makes is printed. A run too
+    short to finish its warmup is warned about."""
     from .parallel import lr_multiplier
 
     t, lines = recipe.train, []
-    if t.max_steps <= t.warmup_steps:
-        lines.append(f"warning: train.max_steps ({t.max_steps}) <= train.warmup_steps ({t.warmup_steps}): the whole run "
+    if t.max_steps < t.warmup_steps:
+        lines.append(f"warning: train.max_steps ({t.max_steps}) < train.warmup_steps ({t.warmup_steps}): the whole run "
                      f"is warmup and the LR never reaches train.lr ({t.lr:g}); lower train.warmup_steps")
     saved = saved_state(recipe.run_dir) if recipe.resume else None
     lines += data_change(recipe, saved)
@@ -361,9 +363,14 @@ def lr_schedule(recipe: Recipe) -> tuple[Recipe, list[str]]:
     if (then.warmup_steps, length(then), then.min_lr_ratio) == (t.warmup_steps, length(t), t.min_lr_ratio):
         return recipe, lines
     step = saved["step"]
-    jump = (f"the LR would jump from {t.lr * lr_multiplier(then)(step):.4g} to {t.lr * lr_multiplier(t)(step):.4g} "
-            f"at step {step + 1}")
-    if t.decay_steps is None and (then.warmup_steps, then.min_lr_ratio) == (t.warmup_steps, t.min_lr_ratio):
+    was, now = lr_multiplier(then)(step), lr_multiplier(t)(step)  # step + 1's LR (LambdaLR counts from 0)
+    jump = f"the LR would jump from {t.lr * was:.4g} to {t.lr * now:.4g} at step {step + 1}"
+    same = (then.warmup_steps, then.min_lr_ratio) == (t.warmup_steps, t.min_lr_ratio)
+    if t.decay_steps is None and same and abs(was - now) <= 1e-9 * max(abs(was), abs(now)):
+        lines.append(f"note: --resume with train.max_steps {t.max_steps} (the checkpoint's run: {then.max_steps}) "
+                     f"takes this run's LR schedule from step {step + 1}, where it has the checkpoint's LR "
+                     f"({t.lr * now:.4g}): warmup to step {t.warmup_steps}, then cosine to step {length(t)}")
+    elif t.decay_steps is None and same:
         recipe = dataclasses.replace(recipe, train=dataclasses.replace(t, decay_steps=length(then)))
         lines.append(f"note: --resume with train.max_steps {t.max_steps} (the checkpoint's run: {then.max_steps}) keeps "
                      f"its LR schedule: cosine to step {length(then)}, then {t.lr * t.min_lr_ratio:.4g}; set "

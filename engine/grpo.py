@@ -878,7 +878,11 @@ def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | No
     sampling = SamplingConfig(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
                               n_samples_per_prompt=g.group_size)
     rows = []
-    if evals:
+    if step >= recipe.train.max_steps or budget_spent(generated, g):
+        print0(f"note: nothing to train: checkpoint at step {step} has reached "
+               + (f"train.max_steps ({recipe.train.max_steps})" if step >= recipe.train.max_steps
+                  else f"grpo.max_generated_tokens ({g.max_generated_tokens})") + "; raise it to train on")
+    elif evals and step == 0:  # the starting point (a resumed run's step was evaluated, if due, before it was saved)
         rows.append({"step": step, **evaluate(run, evals)})
         metrics.log(rows[-1])
     while step < recipe.train.max_steps and not budget_spent(generated, g):
@@ -947,7 +951,8 @@ def done_line(rows: list[dict], run_dir: str) -> str:
     """The run's last line: its last step, reward, KL and latest held-out reward, and where every row is."""
     last = rows[-1]
     held = next((r for r in reversed(rows) if "eval_reward" in r), None)
-    parts = [f"done: {last['step']} steps", f"reward {last['reward']:.4g} at the last step"]
+    parts = [f"done: {last['step']} steps"] + ([f"reward {last['reward']:.4g} at the last step"] if "reward" in last
+                                               else [])
     if "kl" in last:
         parts.append(f"kl {last['kl']:.4g}")
     if held is not None:
@@ -1021,6 +1026,6 @@ def main(argv=None) -> int:
         rows = train(recipe, ds, tok, prompts, evals, rewards, init, world, source, args.profile_step)
     finally:
         forget_zero3_for_transformers()
-    if rows:  # none when a resumed run had already reached max_steps or its token budget (and has no eval set)
+    if rows:  # none when a resumed run had already reached max_steps or its token budget (a note said so)
         print0(done_line(rows, recipe.run_dir))
     return 0

@@ -46,6 +46,7 @@ class Metrics:
             from tqdm import tqdm
 
             Path(run_dir).mkdir(parents=True, exist_ok=True)
+            set_aside_later_rows(Path(run_dir), start_step)
             self.file = open(Path(run_dir) / "metrics.jsonl", "a")
             # A bar on a terminal (ETA included); plain lines per logged step when piped to a file.
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, disable=None)
@@ -71,6 +72,32 @@ class Metrics:
         if self.enabled:
             self.bar.close()
             self.file.close()
+
+
+def set_aside_later_rows(run_dir: Path, start_step: int) -> None:
+    """Rows of metrics.jsonl past the step this run starts from (written before a crash, after the checkpoint it
+    resumes; or all of them when a run starts over at step 0) move to metrics.replaced.jsonl, so that metrics.jsonl
+    holds each step once, as the run that continues computes it."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return
+    keep, later = [], []
+    for line in path.read_text().splitlines():
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            step = None
+        later_row = isinstance(step, int) and (step > start_step or step == start_step == 0)
+        (later if later_row else keep).append(line)
+    if not later:
+        return
+    with open(run_dir / "metrics.replaced.jsonl", "a") as f:
+        f.write("".join(line + "\n" for line in later))
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+    print(f"note: {path}: {len(later)} rows past step {start_step}, written before this start, moved to "
+          f"{run_dir / 'metrics.replaced.jsonl'}", flush=True)
 
 
 def monitor_events(row: dict) -> list[tuple[str, float, int]]:

@@ -567,8 +567,7 @@ def test_resumed_grpo_equals_an_uninterrupted_run(pretrained, curriculum):
     # 1 prompt x 4 completions per rank and step: the prompts consumed over both ranks, what a resume continues from
     # under any group size or batch
     assert json.loads((ck / "step_00000002" / "engine_state.json").read_text())["prompts_done"] == 4
-    lines = (d / "split" / "metrics.jsonl").read_text().splitlines()
-    (d / "split" / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n")
+    # its metrics.jsonl still holds steps 3 and 4 (as after a crash): the resume sets them aside
     # Resumed without --init_from in the plain case: the reference comes from the model the checkpoint names (before,
     # a random one: KL 0.07 -> 3.4 on the resumed step); the comparison below includes the KL.
     resume_args = common[:-2] if not curriculum else common
@@ -580,6 +579,12 @@ def test_resumed_grpo_equals_an_uninterrupted_run(pretrained, curriculum):
     split = [{k: r[k] for k in keys} for r in read_metrics(d / "split")]
     assert [r["step"] for r in straight] == [1, 2, 3, 4]
     assert split == straight  # bitwise: the resumed steps sample and learn exactly as the uninterrupted ones
+    replaced = [json.loads(line) for line in (d / "split" / "metrics.replaced.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in replaced] == [3, 4]
+    if not curriculum:  # resumed once more at train.max_steps: nothing to train, no row (no eval of step 4 again)
+        p = run_launcher(2, GRPO, *resume_args, "--run_dir", d / "split", "--resume", cwd=d)
+        assert "note: nothing to train: checkpoint at step 4 has reached train.max_steps (4)" in p.stdout, p.stdout
+        assert [{k: r[k] for k in keys} for r in read_metrics(d / "split")] == straight
     if curriculum:  # and the statistics the next step would draw from
         state = [json.loads((r / "checkpoints" / "step_00000004" / "engine_state.json").read_text())["curriculum"]
                  for r in (d / "straight", d / "split")]

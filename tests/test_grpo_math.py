@@ -30,6 +30,8 @@ def test_advantages_std_normalized():
         0.0, 0.0, 0.0, 0.0,
     ]
     assert adv.tolist() == pytest.approx(expected, abs=1e-5)  # eps = 1e-6 shifts the 5th digit at most
+    # integer rewards (a reward function's 0/1) as the floats they stand for
+    assert group_advantages(torch.tensor([1, 0, 0, 1]), 4).tolist() == pytest.approx(expected[:4], abs=1e-5)
 
 
 def test_advantages_dr_grpo_no_std():
@@ -102,7 +104,9 @@ MASK = t([[0, 1, 1, 0], [1, 1, 1, 1]])
     ("dr_grpo", 0.38125),         # (-2.1 + 8.2) / (2 sequences x max_new_tokens 8) = 6.1 / 16
 ])
 def test_aggregation_variants(aggregation, expected):
-    logp = LOGP.clone().requires_grad_()
+    logp = LOGP.clone()
+    logp[0, 3] = math.nan  # a padding position's log-prob may be anything: it must reach neither loss nor gradient
+    logp.requires_grad_()
     cfg = GRPOLossConfig(aggregation=aggregation, max_new_tokens=8)
     loss, stats = policy_loss(logp, OLD, ADV, MASK, cfg)
     assert loss.item() == pytest.approx(expected, rel=1e-9)
@@ -123,6 +127,10 @@ def test_dapo_token_normalizer_and_grpo_empty_sequence():
     empty = t([[0, 1, 1, 0], [0, 0, 0, 0]])
     loss, _ = policy_loss(LOGP, OLD, ADV, empty, GRPOLossConfig())
     assert loss.item() == pytest.approx(-0.525, rel=1e-9)
+    # a micro-batch with no response token at all (dynamic sampling can leave one): loss and statistics 0, not NaN
+    loss, stats = policy_loss(LOGP, OLD, ADV, torch.zeros_like(MASK), GRPOLossConfig(aggregation="dapo"))
+    assert loss.item() == 0.0 and {k: v.item() for k, v in stats.items()} == {
+        "clip_frac_low": 0.0, "clip_frac_high": 0.0, "ratio_mean": 0.0}
 
 
 # --- the loss: clipping on both sides ------------------------------------------------------------------
@@ -190,6 +198,23 @@ def test_rollout_correction_truncates_or_masks_by_the_rollout_weight():
     # none: the plain surrogate, no statistic
     loss, stats = policy_loss(logp, logp.detach(), adv, ones, GRPOLossConfig(aggregation="dapo"), rollout_logp=rollout)
     assert loss.item() == pytest.approx(-1.0) and "rollout_corrected_frac" not in stats
+    # old_logp passed without detach (the same tensor as logp): only logp carries the gradient, -r A / 4 per token
+    logp.grad = None
+    loss, _ = policy_loss(logp, logp, adv, ones, GRPOLossConfig(aggregation="dapo"))
+    loss.backward()
+    assert logp.grad[0].tolist() == pytest.approx([-0.25] * 4, abs=1e-12)
+    # the fraction corrected is over response tokens only: 1 of 4 (over all 5 positions it would read 0.2)
+    pad_logp, pad_rollout = torch.log(t([[0.4, 0.3, 0.1, 0.2, 0.5]])), torch.log(t([[0.1, 0.2, 0.4, 0.2, 0.01]]))
+    _, stats = policy_loss(pad_logp, pad_logp, adv, t([[1, 1, 1, 1, 0]]), GRPOLossConfig(
+        aggregation="dapo", rollout_correction="tis", rollout_correction_cap=2.0), rollout_logp=pad_rollout)
+    assert stats["rollout_corrected_frac"].item() == pytest.approx(0.25)
+    # the KL term is not weighted by the rollout correction: advantage 0, beta 0.1, k3 to ref = the rollout's
+    # log-probs: k3 = e^d - d - 1 with d = ref - logp = ln(1/4), ln(2/3), ln 4, 0 -> 0.636294, 0.072132, 1.613706,
+    # 0: sum 2.322132, x 0.1 / 4 tokens (weighted by tis's 2, 1.5, 0.25, 1 it would be 0.0446053)
+    loss, _ = policy_loss(logp, logp.detach(), t([0.0]), ones, GRPOLossConfig(
+        aggregation="dapo", beta=0.1, rollout_correction="tis", rollout_correction_cap=2.0), ref_logp=rollout,
+        rollout_logp=rollout)
+    assert loss.item() == pytest.approx(0.1 * 2.3221320 / 4, rel=1e-6)
     with pytest.raises(ValueError, match="needs rollout_logp"):
         policy_loss(logp, logp.detach(), adv, ones, GRPOLossConfig(rollout_correction="tis"))
     problems = GRPOLossConfig(rollout_correction="is", rollout_correction_cap=0.0).validate()
@@ -220,6 +245,10 @@ def test_kl_term_value_and_gradient():
 
     with pytest.raises(ValueError, match="needs ref_logp"):
         policy_loss(logp, logp.detach(), zero_adv, ones, cfg)
+    # kl_mean over response tokens only: a padded third token (k3 0.3 there) changes nothing
+    logp3, ref3 = torch.log(t([[0.5, 0.25, 0.9]])), torch.log(t([[0.25, 0.5, 0.1]]))
+    _, stats = policy_loss(logp3, logp3, t([0.0]), t([[1, 1, 0]]), cfg, ref_logp=ref3)
+    assert stats["kl_mean"].item() == pytest.approx(0.25, rel=1e-9)
 
 
 def test_entropy_stat_is_response_mean():

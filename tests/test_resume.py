@@ -139,6 +139,8 @@ def crashes(base) -> dict:
     p = run_to_end(base, "crash", 2, "--resume")
     assert p.returncode == 0, p.log.read_text()[-4000:]
     seen["final"] = [hook(p, r) for r in (0, 1)]
+    p = run_to_end(base, "crash", 2, "--resume")  # once more, at train.max_steps: nothing to do
+    seen["again"] = {"rc": p.returncode, "log": p.log.read_text(), "rows": [r["step"] for r in read_metrics(run)]}
     return seen
 
 
@@ -148,13 +150,24 @@ def test_resume_after_kill9_is_bitwise_equal_to_an_uninterrupted_run(base, refer
     # The second launch resumed at step 4 and was killed inside step 7 (after logging 6, saving 6), the last at 6.
     assert crashes["after_step_crash"]["latest"] == tag(6)
     assert crashes["final"][0]["resumed"] == {"step": 6, "position": 6, "tokens": 6 * 2 * 32}
-    assert [r["step"] for r in rows] == [*range(1, crashes["killed_at"] + 1), 5, 6, 7, 8]
+    # Each step once: the first launch's rows past step 4 (its last checkpoint) were set aside when the second
+    # launch resumed from 4, into metrics.replaced.jsonl.
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)) == list(range(1, 9))
+    replaced = [json.loads(line) for line in (base / "crash" / "metrics.replaced.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in replaced] == list(range(5, crashes["killed_at"] + 1))
     assert crashes["after_step_crash"]["logged"] == [r["step"] for r in rows][:-2]
     # Every row ever logged (each killed launch's, the resumed ones) equals the uninterrupted
     # run's row at that step: loss (RNG, data position, parameters, optimizer, routing biases), lr (scheduler).
-    for r in rows:
+    for r in rows + replaced:
         ref = reference[r["step"]]
         assert (r["loss"], r["lr"], r["tokens"]) == (ref["loss"], ref["lr"], ref["tokens"]), (r, ref)
+
+
+def test_resuming_a_finished_run_says_there_is_nothing_to_train(crashes):
+    again = crashes["again"]
+    assert again["rc"] == 0, again["log"][-3000:]
+    assert "note: nothing to train: checkpoint at step 8 has reached train.max_steps (8)" in again["log"]
+    assert again["rows"] == list(range(1, 9))  # no row added, none set aside
 
 
 def checkpoint_tensors(folder: Path) -> dict:

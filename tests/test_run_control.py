@@ -83,8 +83,37 @@ def test_a_run_that_is_all_warmup_is_warned_about(tmp_path):
     from engine.checkpoint import lr_schedule
 
     _, lines = lr_schedule(recipe_for(tmp_path, False, max_steps=5, warmup_steps=20, lr=3e-4))
-    assert lines == ["warning: train.max_steps (5) <= train.warmup_steps (20): the whole run is warmup and the LR "
+    assert lines == ["warning: train.max_steps (5) < train.warmup_steps (20): the whole run is warmup and the LR "
                      "never reaches train.lr (0.0003); lower train.warmup_steps"]
+    # ending exactly where the warmup does, the last step runs at train.lr: nothing to warn about
+    from engine.parallel import lr_multiplier
+
+    r = recipe_for(tmp_path, False, max_steps=20, warmup_steps=20, lr=3e-4)
+    assert lr_schedule(r)[1] == [] and lr_multiplier(r.train)(19) == 1.0
+
+
+def test_a_run_resumed_inside_its_warmup_takes_the_new_schedule_without_a_jump(tmp_path):
+    """A trial run of 20 steps with 30 warmup steps, resumed to 50: keeping its schedule (length 20) would warm up
+    to train.lr at step 30 and then drop at once to lr x min_lr_ratio; at step 20 both schedules are on the same
+    warmup ramp, so the resumed run takes the recipe's (warmup to 30, cosine to 50) with no jump."""
+    from engine.checkpoint import lr_schedule
+    from engine.parallel import lr_multiplier
+
+    saved_run(tmp_path, 20, max_steps=20, warmup_steps=30, lr=3e-3, min_lr_ratio=0.1)
+    r = recipe_for(tmp_path, True, max_steps=50, warmup_steps=30, lr=3e-3, min_lr_ratio=0.1)
+    recipe, lines = lr_schedule(r)
+    assert recipe is r and recipe.train.decay_steps is None
+    assert lines == ["note: --resume with train.max_steps 50 (the checkpoint's run: 20) takes this run's LR schedule "
+                     "from step 21, where it has the checkpoint's LR (0.0021): warmup to step 30, then cosine to "
+                     "step 50"]
+    lrs = [lr_multiplier(recipe.train)(s) for s in range(20, 50)]
+    assert all(b <= a + 1e-12 for a, b in zip(lrs[9:], lrs[10:])) and lrs[-1] > 0.1  # no drop to the floor
+    # past its warmup, with the cosine under way, the saved schedule is kept as before
+    saved_run(tmp_path / "b", 40, max_steps=40, warmup_steps=10, lr=3e-3, min_lr_ratio=0.1)
+    recipe, lines = lr_schedule(recipe_for(tmp_path / "b", True, max_steps=80, warmup_steps=10, lr=3e-3,
+                                           min_lr_ratio=0.1))
+    assert recipe.train.decay_steps == 40 and lines[0].startswith("note: --resume with train.max_steps 80 (the "
+                                                                  "checkpoint's run: 40) keeps its LR schedule")
 
 
 def test_resume_with_more_steps_goes_on_at_the_final_lr(tmp_path):
