@@ -410,10 +410,28 @@ def run_dir_problems(recipe: Recipe) -> list[str]:
     if not os.access(there, os.W_OK | os.X_OK):
         return [f"run_dir {run}: {there} is not writable by this user; pass another --run_dir"]
     if not recipe.resume and ((root / "latest").is_file() or any(root.glob("step_*"))):
-        tag = latest(recipe.run_dir) or "none readable"
+        tag = latest(recipe.run_dir)
+        if tag is None:
+            return [no_latest(root, resume=False, run=run)]
         return [f"run_dir {run} holds another run's checkpoints (latest: {tag}); continue that run with --resume, or "
                 "start this one in another --run_dir (starting over them would overwrite them)"]
     return []
+
+
+def no_latest(root: Path, resume: bool, run: Path | None = None) -> str:
+    """Why `root` has no checkpoint `latest` names, and what to do: --resume (resume) or a new run in a run_dir that
+    holds checkpoint folders (not resume). `latest` may be missing, empty or name a missing folder while complete
+    checkpoints are there: then the fix is to name one."""
+    named = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
+    complete = sorted(p.parent.name for p in root.glob(f"step_*/{MANIFEST}"))
+    if resume and named is None and not complete:
+        return f"--resume: no checkpoint in {root} (run without --resume to start fresh)"
+    who = "--resume:" if resume else f"run_dir {run} holds another run's checkpoints, but"
+    what = f"{root / 'latest'} names {named!r}, which is not there" if named else f"{root / 'latest'} is missing"
+    if complete:
+        return (f"{who} {what}; its complete checkpoints: {', '.join(complete[-3:])}: write one of those tags into "
+                f"{root / 'latest'} and run with --resume")
+    return f"{who} {what}, and none of its checkpoints is complete; move {root} away or pass another --run_dir"
 
 
 def optimizer_kind(ds: dict, train) -> str | None:
@@ -450,7 +468,7 @@ def check_resume(recipe: Recipe, ds: dict, world_size: int, rank: int = 0) -> tu
     root = ckpt_dir(recipe.run_dir)
     tag = latest(recipe.run_dir)
     if tag is None:
-        return [f"--resume: no checkpoint in {root} (run without --resume to start fresh)"], False
+        return [no_latest(root, resume=True)], False
     where = root / tag
     older = sorted(p.parent.name for p in root.glob(f"step_*/{MANIFEST}") if p.parent.name < tag)
     fix = (f"restore it, or resume from an older checkpoint by writing its tag ({older[-1]}) into {root / 'latest'}"

@@ -363,6 +363,9 @@ def damage(base: Path, run: Path, case: str, tmp_path: Path) -> dict:
         return {"ds": tmp_path / "other_ds.json"}
     elif case == "no_resume":
         return {"resume": False}
+    elif case in ("latest_names_a_missing_tag", "latest_missing_no_resume"):  # e.g. the last save's folder deleted
+        (run / "checkpoints" / "latest").write_text("step_00000099")
+        return {"resume": case == "latest_names_a_missing_tag"}
     return {}
 
 
@@ -376,6 +379,10 @@ def damage(base: Path, run: Path, case: str, tmp_path: Path) -> dict:
     ("other_stage", "was trained with ZeRO stage 3, the DeepSpeed config has stage 2"),
     ("other_optimizer", "holds torch AdamW's state, and this DS config and recipe build DeepSpeedCPUAdam"),
     ("no_resume", f"holds another run's checkpoints (latest: {tag(STEPS)}); continue that run with --resume"),
+    # with and without --resume, the same advice: name a complete checkpoint in `latest`, then --resume
+    ("latest_names_a_missing_tag", "latest names 'step_00000099', which is not there; its complete checkpoints: "
+                                   f"{tag(6)}, {tag(STEPS)}: write one of those tags into"),
+    ("latest_missing_no_resume", "holds another run's checkpoints, but"),
 ])
 def test_bad_resume_is_one_clear_line_before_any_work(base, reference, tmp_path, case, expect, capfd, monkeypatch):
     run = tmp_path / "run"
@@ -386,6 +393,8 @@ def test_bad_resume_is_one_clear_line_before_any_work(base, reference, tmp_path,
     assert p.returncode == 2, p.stderr[-3000:]
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], p.stderr[-3000:]
+    if case.startswith("latest_"):
+        assert lines[0].endswith("and run with --resume"), lines[0]
     if case in ("truncated", "flipped_byte", "missing_file"):  # and says how to go on from the older checkpoint
         assert f"writing its tag ({tag(6)}) into {run / 'checkpoints' / 'latest'}" in lines[0]
     assert tree_digest(run) == before  # nothing written, nothing removed
