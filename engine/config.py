@@ -399,7 +399,10 @@ def load_recipe(path: str | Path | None = None, overrides: dict | None = None) -
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"recipe {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"recipe {path}: not valid YAML{at} ({what})") from None
     for dotted, value in (overrides or {}).items():
         section, _, key = dotted.rpartition(".")
         target = raw.setdefault(section, {}) if section else raw
@@ -556,8 +559,9 @@ def validate(r: Recipe) -> list[str]:
     g = r.grpo
     if g.group_size < 2:
         p.append(f"grpo.group_size ({g.group_size}) must be >= 2: advantages compare completions within a group")
-    if g.max_new_tokens < 1 or g.iterations < 1 or g.eval_every < 1:
-        p.append("grpo.max_new_tokens, grpo.iterations and grpo.eval_every must be >= 1")
+    for name in ("max_new_tokens", "iterations", "eval_every"):
+        if getattr(g, name) < 1:
+            p.append(f"grpo.{name} ({getattr(g, name)}) must be >= 1")
     no_chains = "grpo.tree" if g.tree.enabled else "grpo.rollout: engine" if g.rollout == "engine" else None
     if not 0 <= g.min_new_tokens <= g.max_new_tokens:
         p.append(f"grpo.min_new_tokens ({g.min_new_tokens}) must be in [0, grpo.max_new_tokens ({g.max_new_tokens})]")

@@ -210,8 +210,9 @@ def _parse(line: str):
 
 
 def check_rows(rows, fields: dict, s: Sample, unit: str) -> str | None:
-    first, bad, n = None, 0, 0
+    first, bad, n, keys = None, 0, 0, set()
     for n, (name, row) in enumerate(rows, 1):
+        keys |= set(row) if isinstance(row, dict) else set()
         why = row_problem(row, fields)
         if why:
             bad += 1
@@ -221,7 +222,13 @@ def check_rows(rows, fields: dict, s: Sample, unit: str) -> str | None:
     s.rows += n
     if not bad:
         return None
-    return f"{first} (bad: {bad} of the {n} {unit}); fix those rows" + (" or set data.text_field" * (len(fields) == 1))
+    hint = ""
+    if set(PROMPT_FIELDS) <= keys and "prompt" not in fields:
+        hint = " (its rows are GRPO prompts with answers: bin/grpo.py trains on them)"
+    elif "prompt" in fields and "prompt" not in keys and "text" in keys:
+        hint = " (its rows are documents for pretraining: bin/pretrain.py trains on them; GRPO reads prompt/answer rows)"
+    return (f"{first} (bad: {bad} of the {n} {unit}); fix those rows" + (" or set data.text_field" * (len(fields) == 1))
+            + hint)
 
 
 def row_problem(row, fields: dict) -> str | None:

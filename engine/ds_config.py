@@ -42,6 +42,34 @@ PIPELINE_ARCHS = ("deepseek_v3", "qwen3_moe")  # engine/pipeline.py's stages, te
 # Sections the engine reads as objects (a `null` or a list there is refused before anything reads it).
 SECTIONS = ("zero_optimization", "optimizer", "bf16", "fp16", "expert_parallel", "pipeline", "compile", "checkpoint",
             "activation_checkpointing")
+# Top-level keys of a DeepSpeed config (with deepspeed.runtime.constants' own): a key that is none of them but close to
+# one is a misspelling DeepSpeed would silently ignore (a misspelled zero_optimization trains with ZeRO off).
+TOP_LEVEL = (*SECTIONS, "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+             "gradient_clipping", "scheduler", "steps_per_print", "wall_clock_breakdown", "memory_breakdown",
+             "tensorboard", "csv_monitor", "wandb", "comet", "flops_profiler", "comms_logger", "data_types", "aio",
+             "prescale_gradients", "gradient_predivide_factor", "communication_data_type", "sparse_gradients",
+             "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "amp", "torch_autocast", "dump_state",
+             "elasticity", "autotuning", "data_efficiency", "curriculum_learning", "compression_training",
+             "sequence_parallel_size", "tensor_parallel", "nebula", "weight_quantization", "hybrid_engine",
+             "dataloader_drop_last", "disable_allgather", "seed", "timers", "graph_harvesting", "use_data_before_expert_parallelism")
+
+
+def misspelled_keys(cfg: dict) -> list[str]:
+    """A line per top-level key that DeepSpeed does not read but that is close to one it does."""
+    import difflib
+
+    try:
+        from deepspeed.runtime import constants
+
+        known = set(TOP_LEVEL) | {v for k, v in vars(constants).items() if k.isupper() and isinstance(v, str)}
+    except ImportError:
+        known = set(TOP_LEVEL)
+    out = []
+    for key in cfg:
+        near = difflib.get_close_matches(key, known, n=1, cutoff=0.8) if key not in known else []
+        if near:
+            out.append(f"{key}: not a DeepSpeed setting (DeepSpeed would ignore it); did you mean {near[0]}?")
+    return out
 
 
 # ZeRO-3's gather settings where the file says "auto": (single rank, otherwise). On a single rank a ZeRO-3 gather is a
@@ -59,7 +87,10 @@ ZERO3_GATHER = {"stage3_max_live_parameters": (10**10, 10**9),
 def read_ds_config(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"DeepSpeed config {path}: no such file (pass --deepspeed_config ds_configs/zero3.json)")
+        shipped = Path(__file__).resolve().parents[1] / "ds_configs"
+        hint = (f"the shipped one is {shipped / path.name}" if (shipped / path.name).is_file() and not path.is_absolute()
+                else f"the shipped ones are in {shipped}")
+        raise ConfigError(f"DeepSpeed config {path}: no such file ({hint})")
     try:
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -87,7 +118,7 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, ranks_per_node
     """
     cfg = copy.deepcopy(cfg)
     p = [f"{k}: must be an object ({{...}}), not {json.dumps(cfg[k])}" for k in SECTIONS
-         if k in cfg and not isinstance(cfg[k], dict)]
+         if k in cfg and not isinstance(cfg[k], dict)] + misspelled_keys(cfg)
     if p:  # what follows reads these as objects
         raise ConfigError(f"{where}: " + "; ".join(p))
     if (cfg.get("bf16") or {}).get("enabled") and (cfg.get("fp16") or {}).get("enabled"):

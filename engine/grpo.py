@@ -206,6 +206,9 @@ def preflight(args, world: World):
     recipe = load_recipe(args.config, o)
     raw = read_ds_config(args.deepspeed_config)
     where = f"DeepSpeed config {args.deepspeed_config}"
+    if "pipeline" in raw:  # before the file's pipeline section is checked against this world
+        raise ConfigError(f"{where}: GRPO runs on ZeRO configs (zero3_grpo.json), not pipeline stages; a pipeline "
+                          "run's checkpoint can still be its --init_from")
     g = recipe.grpo
     batch = grpo_batch(raw, g, where)  # (sequences per GPU, how) with an "auto" batch; None: the file's numbers
     if batch is None:
@@ -234,9 +237,6 @@ def preflight(args, world: World):
         peer_timeout()  # read again when the watchdog starts; a bad value is bad input like any other
     except PeerTimeoutError as e:
         problems.append(str(e))
-    if "pipeline" in raw:
-        problems.append(f"DeepSpeed config {args.deepspeed_config}: GRPO runs on ZeRO configs (zero3_grpo.json), not "
-                        "pipeline stages; a pipeline run's checkpoint can still be its --init_from")
     problems += tree_problems(g, per_rank, g.rollout)
     if g.tree.enabled:  # a prompt's tree leaves are its group; grpo.group_size is not used
         recipe = replace(recipe, grpo=replace(g, group_size=g.tree.leaves()))

@@ -388,6 +388,7 @@ TINY = (ROOT / "engine" / "recipes" / "grpo_tiny.yaml").read_text()
     ("random_init", "no --init_from (nor model.init_from): GRPO would train a randomly initialised policy, which "
                     "earns no reward"),
     ("balance_rate", "train.balance_rate (0.01): GRPO keeps the routing biases the policy was trained with"),
+    ("pretraining_corpus", "has no 'prompt' (keys: ['text'])"),
 ])
 def test_bad_input_is_one_clear_line_before_any_work(tmp_path, case, expect, capfd, monkeypatch):
     """engine.grpo.main (what bin/grpo.py runs) in this process, as rank 0 of 1 from the repo root: exit 2, one line
@@ -406,6 +407,8 @@ def test_bad_input_is_one_clear_line_before_any_work(tmp_path, case, expect, cap
         recipe = TINY.replace("group_size: 8", "group_size: 5")  # zero3_grpo.json: 16 x 4 = 64 per rank
     elif case == "missing_init_from":
         args = ["--init_from", "/nonexistent/pretrain_run"]
+    elif case == "pretraining_corpus":  # the pretraining corpus given to GRPO
+        args = ["--data", ROOT / "engine" / "assets" / "corpus.jsonl"]
     elif case == "balance_rate":  # a pretraining recipe's setting copied over: it would do nothing here
         recipe = TINY.replace("balance_rate: 0.0", "balance_rate: 0.01")
     elif case == "init_from_without_checkpoint":
@@ -417,6 +420,9 @@ def test_bad_input_is_one_clear_line_before_any_work(tmp_path, case, expect, cap
     # (datasets' progress bar while reading a new prompts file: see test_prompts_load_without_a_progress_bar)
     lines = [line for line in p.stderr.splitlines() if line.strip() and not line.startswith("Generating train split")]
     assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], p.stderr[-3000:]
+    if case == "pretraining_corpus":
+        assert lines[0].endswith("(its rows are documents for pretraining: bin/pretrain.py trains on them; GRPO reads "
+                                 "prompt/answer rows)"), lines[0]
     if case == "prompt_too_long":
         assert re.search(r"prompt of \d{3} tokens \+ grpo.max_new_tokens 4 exceeds the context \(512\)", lines[0])
     assert not (tmp_path / "run").exists()  # nothing started, nothing written
@@ -610,12 +616,15 @@ def test_pipeline_config_is_refused_before_any_work(tmp_path, capfd, monkeypatch
     in this process as rank 0 of 2; a fresh process's output: test_prompts_load_without_a_progress_bar)."""
     from engine.grpo import main
 
-    p = run_in_process(main, ["--deepspeed_config", ROOT / "ds_configs" / "pipe.json", "--run_dir", tmp_path / "run"],
-                       capfd, monkeypatch, cwd=ROOT, RANK=0, LOCAL_RANK=0, WORLD_SIZE=2, LOCAL_SIZE=2)
-    assert p.returncode == 2, p.stdout + p.stderr
-    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "GRPO runs on ZeRO configs" in errors[0], p.stderr
-    assert not (tmp_path / "run").exists()
+    for world in (2, 1):  # on 1 rank the file's 2 stages do not divide the world: still the same one line
+        p = run_in_process(main, ["--deepspeed_config", ROOT / "ds_configs" / "pipe.json", "--run_dir",
+                                  tmp_path / "run"], capfd, monkeypatch, cwd=ROOT, RANK=0, LOCAL_RANK=0,
+                           WORLD_SIZE=world, LOCAL_SIZE=world)
+        assert p.returncode == 2, p.stdout + p.stderr
+        errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "GRPO runs on ZeRO configs" in errors[0] and "stages (2)" not in errors[0], \
+            p.stderr
+        assert not (tmp_path / "run").exists()
 
 
 REPLAY_PROBE = ROOT / "tests" / "scripts" / "replay_probe.py"

@@ -279,6 +279,24 @@ def test_shipped_recipes_find_their_bundled_data_from_any_directory(tmp_path, mo
         load_recipe(RECIPES / "grpo_tiny.yaml", {"grpo.eval_path": "engine/assets/nope.jsonl"})
 
 
+def test_bad_input_lines_name_the_place_and_the_fix(tmp_path, monkeypatch):
+    """A YAML syntax error says where; a GRPO count below 1 says which one; a DS config path that does not exist
+    from this directory (the command run from outside the checkout) names the shipped file of that name."""
+    from engine.ds_config import read_ds_config
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  max_steps: 5\n  lr: [1\n")
+    with pytest.raises(ConfigError, match=r"not valid YAML at line \d+ column \d+ \("):
+        load_recipe(bad)
+    with pytest.raises(ConfigError) as e:
+        load_recipe(None, {"grpo.eval_every": 0})
+    assert "grpo.eval_every (0) must be >= 1" in str(e.value) and "grpo.iterations" not in str(e.value)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=rf"ds_configs/zero3.json: no such file \(the shipped one is "
+                                          rf"{ROOT / 'ds_configs' / 'zero3.json'}\)"):
+        read_ds_config("ds_configs/zero3.json")
+
+
 def test_recipe_reports_every_problem_at_once(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: {hidden_size: big, num_expert: 4}\ntrain: {max_steps: 0}\n")
@@ -335,6 +353,10 @@ TINY = (RECIPES / "tiny.yaml").read_text()
     ("negative_checkpoint_every", "checkpoint: every_steps and every_minutes must be >= 0"),
     ("balance_without_autoep", "train.balance_rate (0.01): the routing biases are balanced in DeepSpeed's AutoEP "
      "layers, and DeepSpeed config"),
+    ("misspelled_section", "zero_optimisation: not a DeepSpeed setting (DeepSpeed would ignore it); did you mean "
+                           "zero_optimization?"),
+    ("grpo_prompts", "fix those rows or set data.text_field (its rows are GRPO prompts with answers: bin/grpo.py "
+                     "trains on them)"),
 ])
 def test_bad_input_is_one_clear_line_before_any_work(tmp_path, case, expect, capfd, monkeypatch):
     """engine.pretrain.main (what bin/pretrain.py runs) in this process, as rank 0 of `world`: exit 2, one line on
@@ -394,6 +416,13 @@ def bad_input(tmp_path, case: str, run):
     elif case == "ds_and_data_together":
         ds = write_ds(tmp_path / "ds.json", train_batch_size=10)
         args = ["--data", "/nonexistent/corpus.jsonl"]
+    elif case == "misspelled_section":
+        cfg = json.loads(ZERO3.read_text())
+        cfg["zero_optimisation"] = cfg.pop("zero_optimization")
+        ds = tmp_path / "ds.json"
+        ds.write_text(json.dumps(cfg))
+    elif case == "grpo_prompts":  # GRPO's prompts file given to pretraining
+        args = ["--data", ROOT / "engine" / "assets" / "arith_train.jsonl"]
     elif case == "balance_without_autoep":  # tiny.yaml balances at 0.01; without AutoEP nothing would
         ds = write_ds(tmp_path / "ds.json", drop=("expert_parallel",))
     elif case == "resume_without_checkpoint":
