@@ -143,3 +143,26 @@ def test_compiled_token_logprobs_on_cuda_equal_the_plain_ones(temperature):
         upstream = torch.randn(n, generator=g).cuda()
         for a, b in zip(grads((logp * upstream).sum(), h, w), grads((want * upstream).sum(), h, w)):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled chunk passes run on CUDA only")
+def test_compiled_cross_entropy_on_cuda_equals_the_plain_loss():
+    """On CUDA the loss's chunk pass is compiled (a fixed token count) and its GEMMs give fp32 results from bf16
+    inputs (torch.mm out_dtype): in fp32 the loss and both gradients equal the plain ones; in bf16 the loss is within
+    bf16's rounding of the fp32 loss on the same (rounded) inputs."""
+    from engine.head import cross_entropy
+
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(N, H, generator=g).cuda().requires_grad_()
+    w = (0.3 * torch.randn(V, H, generator=g)).cuda().requires_grad_()
+    t = torch.randint(0, V, (N,), generator=g).cuda()
+    t[[0, 20]] = -100
+    got = cross_entropy(h, w, t)
+    want = F.cross_entropy(F.linear(h, w).float(), t, ignore_index=-100, reduction="sum")
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    for a, b in zip(grads(got, h, w), grads(want, h, w)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    hb, wb = h.detach().bfloat16().requires_grad_(), w.detach().bfloat16().requires_grad_()
+    got = cross_entropy(hb, wb, t)
+    want = F.cross_entropy(F.linear(hb.float(), wb.float()), t, ignore_index=-100, reduction="sum")
+    assert abs(got.item() - want.item()) <= 1e-3 * abs(want.item())
