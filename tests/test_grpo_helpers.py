@@ -67,3 +67,33 @@ def test_reward_edges():
     assert numeric("p", "x = 0.5", 0.25, tolerance=0.25) == 1.0  # a difference equal to the tolerance is within it
     assert numeric("p", "x = 0.5", 0.25, tolerance=0.125) == 0.0
     assert exact_match("p", "42", " 42\n") == 1.0  # both sides stripped
+
+
+def test_the_response_mask_covers_the_response_tokens_up_to_eos():
+    """generate_rollouts on a stub rollout: prompts of width 3 (row 0 left-padded by one), responses of 2 and 3
+    tokens. The mask is over the targets ids[:, 1:]: the first p_len - 1 = 2 targets are the prompt's, the rest
+    follow the attention mask (row 0 ends at its EOS, position 4)."""
+    from engine.grpo import generate_rollouts
+
+    t = tok()
+    attn = torch.tensor([[0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]])
+    out = SimpleNamespace(input_ids=torch.randint(5, 100, (2, 6)), attention_mask=attn,
+                          response_start_idx=torch.tensor([3, 3]))
+    rollout = SimpleNamespace(sync_weights=lambda *a: None, generate=lambda request, sampling: out,
+                              shutdown=lambda: None)
+    run = SimpleNamespace(rollout=rollout, tok=t, device="cpu", g=GRPOConfig())
+    r = generate_rollouts(run, [{"prompt": "a b c"}, {"prompt": "d e f"}], None)
+    assert r.resp_mask.tolist() == [[0, 0, 1, 1, 0], [0, 0, 1, 1, 1]]
+
+
+def test_advantages_follow_normalize_std():
+    """score(): rewards 1, 0 in a group of 2; normalize_std false (Dr. GRPO) leaves reward minus the group mean."""
+    from engine.grpo import score
+    from engine.rewards import build_rewards
+
+    for normalize, want in ((False, [0.5, -0.5]), (True, [0.7071, -0.7071])):  # std of (1, 0): 0.7071 (Bessel)
+        g = GRPOConfig(group_size=2, normalize_std=normalize, rewards=[{"name": "exact_match"}])
+        run = SimpleNamespace(g=g, rewards=build_rewards(g.rewards), device="cpu", world=SimpleNamespace(rank=0))
+        r = SimpleNamespace(texts=["a", "b"], tree=None, resp_mask=torch.ones(2, 3))
+        _, reward, adv = score(run, [{"prompt": "p", "answer": "a"}], r, 1)
+        assert reward.tolist() == [1.0, 0.0] and adv.tolist() == pytest.approx(want, abs=1e-4), normalize
