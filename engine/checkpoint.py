@@ -418,6 +418,12 @@ def run_dir_problems(recipe: Recipe) -> list[str]:
     return []
 
 
+def nothing_to_train(step: int, limit: str) -> str:
+    """The note of a --resume whose checkpoint has already reached the run's end (`limit`: which setting, with its
+    value); the run then exits 0 without a step."""
+    return f"note: nothing to train: checkpoint at step {step} has reached {limit}; raise it to train on"
+
+
 def no_latest(root: Path, resume: bool, run: Path | None = None) -> str:
     """Why `root` has no checkpoint `latest` names, and what to do: --resume (resume) or a new run in a run_dir that
     holds checkpoint folders (not resume). `latest` may be missing, empty or name a missing folder while complete

@@ -251,8 +251,9 @@ class GRPOConfig:
     weights) | eager."""
     decode_attention: str = "auto"
     """Attention of the rollout decoder's DeepSeek (MLA) layers at each decode step: auto (triton on CUDA where the
-    triton package is installed, torch elsewhere) | torch (the absorbed MLA's batched GEMMs and softmax) | triton (one kernel per layer:
-    scores, online softmax and the weighted sum of the latent cache, engine/mla_decode.py; CUDA only)."""
+    triton package is installed, torch elsewhere) | torch (the absorbed MLA's batched GEMMs and softmax) | triton
+    (one kernel per layer: scores, online softmax and the weighted sum of the latent cache, engine/mla_decode.py;
+    CUDA only)."""
     eval_path: str | None = None
     """Held-out prompts (jsonl with prompt/answer), scored greedily at eval_every steps."""
     eval_every: int = 10

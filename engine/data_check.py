@@ -226,7 +226,8 @@ def check_rows(rows, fields: dict, s: Sample, unit: str) -> str | None:
     if set(PROMPT_FIELDS) <= keys and "prompt" not in fields:
         hint = " (its rows are GRPO prompts with answers: bin/grpo.py trains on them)"
     elif "prompt" in fields and "prompt" not in keys and "text" in keys:
-        hint = " (its rows are documents for pretraining: bin/pretrain.py trains on them; GRPO reads prompt/answer rows)"
+        hint = (" (its rows are documents for pretraining: bin/pretrain.py trains on them; GRPO reads prompt/answer "
+                "rows)")
     return (f"{first} (bad: {bad} of the {n} {unit}); fix those rows" + (" or set data.text_field" * (len(fields) == 1))
             + hint)
 

@@ -51,7 +51,8 @@ TOP_LEVEL = (*SECTIONS, "train_batch_size", "train_micro_batch_size_per_gpu", "g
              "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "amp", "torch_autocast", "dump_state",
              "elasticity", "autotuning", "data_efficiency", "curriculum_learning", "compression_training",
              "sequence_parallel_size", "tensor_parallel", "nebula", "weight_quantization", "hybrid_engine",
-             "dataloader_drop_last", "disable_allgather", "seed", "timers", "graph_harvesting", "use_data_before_expert_parallelism")
+             "dataloader_drop_last", "disable_allgather", "seed", "timers", "graph_harvesting",
+             "use_data_before_expert_parallelism")
 
 
 def misspelled_keys(cfg: dict) -> list[str]:
@@ -88,8 +89,8 @@ def read_ds_config(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         shipped = Path(__file__).resolve().parents[1] / "ds_configs"
-        hint = (f"the shipped one is {shipped / path.name}" if (shipped / path.name).is_file() and not path.is_absolute()
-                else f"the shipped ones are in {shipped}")
+        same_name = (shipped / path.name).is_file() and not path.is_absolute()
+        hint = f"the shipped one is {shipped / path.name}" if same_name else f"the shipped ones are in {shipped}"
         raise ConfigError(f"DeepSpeed config {path}: no such file ({hint})")
     try:
         cfg = json.loads(path.read_text())

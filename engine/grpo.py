@@ -879,9 +879,9 @@ def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | No
                               n_samples_per_prompt=g.group_size)
     rows = []
     if step >= recipe.train.max_steps or budget_spent(generated, g):
-        print0(f"note: nothing to train: checkpoint at step {step} has reached "
-               + (f"train.max_steps ({recipe.train.max_steps})" if step >= recipe.train.max_steps
-                  else f"grpo.max_generated_tokens ({g.max_generated_tokens})") + "; raise it to train on")
+        print0(checkpoint.nothing_to_train(step, f"train.max_steps ({recipe.train.max_steps})"
+                                           if step >= recipe.train.max_steps
+                                           else f"grpo.max_generated_tokens ({g.max_generated_tokens})"))
     elif evals and step == 0:  # the starting point (a resumed run's step was evaluated, if due, before it was saved)
         rows.append({"step": step, **evaluate(run, evals)})
         metrics.log(rows[-1])

@@ -290,8 +290,7 @@ def train(recipe: Recipe, engine, data, tok, world: World) -> list[dict]:
     flops_tok = model_flops_per_token(engine, engine.module.config, recipe.data.seq_len, ep)[0]
     peak = peak_tflops(device)
     if step >= recipe.train.max_steps:
-        print0(f"note: nothing to train: checkpoint at step {step} has reached train.max_steps "
-               f"({recipe.train.max_steps}); raise --max_steps to train on")
+        print0(checkpoint.nothing_to_train(step, f"train.max_steps ({recipe.train.max_steps})"))
     # The rate's window: from the last row to this one, less the time spent saving checkpoints in between.
     rows, t0, loss_sum, logged, saving = [], time.time(), torch.zeros((), device=device), step, 0.0
     while step < recipe.train.max_steps:

@@ -170,7 +170,8 @@ def test_bad_flags_get_one_line_before_anything_is_built(tmp_path, capsys):
     spec.loader.exec_module(bench)
     out = tmp_path / "b.jsonl"
     cases = {("--set", "train.lr=["): "--set 'train.lr=[': the value is not YAML",
-             ("--ds_set", "zero_optimization.stage.x=1"): "--ds_set zero_optimization.stage.x: zero_optimization.stage is 3",
+             ("--ds_set", "zero_optimization.stage.x=1"):
+                 "--ds_set zero_optimization.stage.x: zero_optimization.stage is 3",
              ("--steps", "0"): "--steps 0: must be >= 1",
              ("--memory_fraction", "2"): "--memory_fraction 2.0: must be in (0, 1]",
              ("--micro_batch", "0"): "--micro_batch 0: must be >= 1",

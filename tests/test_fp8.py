@@ -46,7 +46,7 @@ def test_dense_converts_attention_shared_experts_and_dense_mlps_only():
         over = {"model.arch": arch, "model.hidden_size": 128, "model.intermediate_size": 256,
                 "model.moe_intermediate_size": 128, "model.first_dense_layers": 1 if arch == "deepseek_v3" else 0,
                 "train.balance_rate": 0.0}
-        if arch == "qwen3_5_moe":  # 16 heads: the DeltaNet gates' 16 outputs are FP8-sized, and stay in the model's dtype
+        if arch == "qwen3_5_moe":  # 16 heads: the DeltaNet gates' 16 outputs are FP8-sized, and stay in bf16/fp32
             over.update({"model.num_heads": 16, "model.num_kv_heads": 16, "model.hidden_size": 256,
                          "model.num_layers": 4})  # the 4th layer is full attention
         m = load_recipe(None, over).model

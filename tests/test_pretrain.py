@@ -495,8 +495,8 @@ def test_a_rows_rate_leaves_out_checkpoint_saves_and_its_norm_is_before_clipping
         return real_save(*args, **kwargs)
 
     monkeypatch.setattr(engine.checkpoint, "save", slow_save)
-    (tmp_path / "r.yaml").write_text(TINY.replace("max_steps: 600", "max_steps: 5").replace("log_every: 10", "log_every: 2")
-                                     .replace("every_steps: 200", "every_steps: 3"))
+    recipe = TINY.replace("max_steps: 600", "max_steps: 5").replace("log_every: 10", "log_every: 2")
+    (tmp_path / "r.yaml").write_text(recipe.replace("every_steps: 200", "every_steps: 3"))
     ds = write_ds(tmp_path / "ds.json", gradient_clipping=1e-6)
     run_ranks(1, PRETRAIN, "--deepspeed_config", ds, "--config", tmp_path / "r.yaml", "--run_dir", tmp_path / "run",
               cwd=tmp_path)

@@ -1,8 +1,8 @@
 """Optimizer steps with finite and non-finite gradients on the tiny ZeRO-2 engine (engine.parallel.one_overflow_check);
 started as `deepspeed --num_gpus N tests/scripts/overflow_steps.py OUT_DIR`. Each step's loss is scaled by a factor
 on one rank only (the last), the others keep 1: whether the weights changed, the skipped-step count and the global
-norm after each step go to OUT_DIR/rank{r}.json, with the metrics row's fields for it. The steps: finite; NaN; inf; NaN and finite again with DeepSpeed's
-own per-tensor check put back."""
+norm after each step go to OUT_DIR/rank{r}.json, with the metrics row's fields for it. The steps: finite; NaN; inf;
+NaN and finite again with DeepSpeed's own per-tensor check put back."""
 import json
 import os
 import sys
