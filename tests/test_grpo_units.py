@@ -384,7 +384,8 @@ def test_parameter_free_functions_compiled_for_varying_lengths_trace_once(monkey
         assert graphs[1] > graphs[0], graphs  # what lengths_vary saves
 
 
-def test_compiled_parameter_free_functions_give_the_eager_forward_to_the_bit(monkeypatch):
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_compiled_parameter_free_functions_give_the_eager_forward_to_the_bit(monkeypatch, device):
     """GRPO's policy pass runs the compiled functions (with autograd), its reference and old-log-prob passes the eager
     ones (no_grad): in bf16 the two forwards must be equal to the bit, or the first iteration's ratio is not 1 and the
     KL against an identical reference is not 0. Inductor's C++ kernels here, as its Triton ones on CUDA."""
@@ -396,12 +397,12 @@ def test_compiled_parameter_free_functions_give_the_eager_forward_to_the_bit(mon
     m = load_recipe(None, {"model.hidden_size": 64, "model.intermediate_size": 128, "model.moe_intermediate_size": 32,
                            "model.num_layers": 2, "model.first_dense_layers": 1}).model
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(make_hf_config(m), dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(make_hf_config(m), dtype=torch.bfloat16).to(device)
     hf_module = __import__("sys").modules[type(model).__module__]
     for name in ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave"):  # patched module-wide: restored after
         if hasattr(hf_module, name):
             monkeypatch.setattr(hf_module, name, getattr(hf_module, name))
-    x = torch.randint(0, m.vocab_size, (2, 24))
+    x = torch.randint(0, m.vocab_size, (2, 24), device=device)
     with torch.no_grad():
         eager = model(x).logits
     torch._dynamo.reset()

@@ -18,7 +18,7 @@
 # tokens a step): fp32 (zero2.json with bf16 off: fp32 weights, forward and AdamW), master (zero2.json: bf16 forward,
 # fp32 master weights), sr (zero2_bf16_states.json, AdamWSR) and nearest (the same, DeepSpeed's optimizer): whether
 # the bf16 variants follow fp32 weights' trajectory in the first steps of the warmup (docs/bench/first_updates.py is
-# the same comparison on the CPU at a small shape).
+# the same comparison on the CPU at a small shape). FIRST_RUNS picks and orders them (the first is the reference).
 # MFU: the metrics rows' own (engine/flops.py: model FLOPs over the GPU's dense bf16 peak; FP8 rows against the same
 # bf16 peak, so FP8 shows as a higher MFU, not a different denominator).
 # Files: $OUT/seed_<mode>.jsonl (metrics rows; LOSS: seed_capped.jsonl, seed_uncapped.jsonl), $OUT/seed.md, $OUT/logs.tgz.
@@ -85,11 +85,16 @@ elif [ -n "${FIRST:-}" ]; then
   edit ds_configs/zero2.json $W/fp32.json $batch bf16.enabled=False || exit 1
   edit ds_configs/zero2.json $W/master.json $batch || exit 1
   edit ds_configs/zero2_bf16_states.json $W/bf16.json $batch || exit 1
-  SR=false run fp32 false $W/fp32.json "$FIRST"
-  SR=false run master false $W/master.json "$FIRST"
-  SR=auto run sr false $W/bf16.json "$FIRST"
-  SR=false run nearest false $W/bf16.json "$FIRST"
-  NAMES="fp32 master sr nearest"; LOSS=$FIRST
+  NAMES=${FIRST_RUNS:-fp32 master sr nearest}; LOSS=$FIRST
+  for n in $NAMES; do
+    case $n in
+      fp32) SR=false run fp32 false $W/fp32.json "$FIRST" ;;
+      master) SR=false run master false $W/master.json "$FIRST" ;;
+      sr) SR=auto run sr false $W/bf16.json "$FIRST" ;;
+      nearest) SR=false run nearest false $W/bf16.json "$FIRST" ;;
+      *) echo "FIRST_RUNS: unknown run $n (fp32 master sr nearest)"; exit 2 ;;
+    esac
+  done
 else
   for mode in ${MODES:-false dense all}; do
     run "$mode${SR:+_sr_$SR}" "$mode" $W/ds.json "${STEPS:-12}" --memory_fraction "$FRACTION"
