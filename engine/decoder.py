@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .export.read import AUTOEP_NAMES
+from .head import _mm32
 from .routing import ROUTE_DTYPE
 
 # transformers' generate swaps grouped_mm experts for batched_mm while decoding on GPUs. batched_mm copies the
@@ -461,6 +462,12 @@ class Decoder:
             for m in mla:
                 m._mla_kernel = True
         self.attention = attention
+        # Logits as the trainer computes them on CUDA: a bf16 GEMM with an fp32 result. Rounded to bf16 first (as
+        # transformers' lm_head returns them), a logit near 30 moves by up to 1/16: at temperature 0.7 the sampled
+        # tokens' log-probs moved by 0.021 on average against the trainer's, a mismatch rollout correction then sees.
+        # Elsewhere (CPU, fp32 models) transformers' own output layer, the same values.
+        self.lm_head_mm32 = (torch.device(device).type == "cuda" and model.lm_head.bias is None
+                             and model.lm_head.weight.dtype in (torch.bfloat16, torch.float16))
         if config.model_type == "deepseek_v2":  # its rotary as cos/sin (no complex tensors in the compiled step)
             model.model.rotary_emb.forward = types.MethodType(deepseek_v2_cos_sin, model.model.rotary_emb)
         self.model, self.device, self.decode_experts = model, torch.device(device), decode_experts
@@ -523,6 +530,10 @@ class Decoder:
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """(N, T) tokens at positions `pos` -> (N, V) float32 logits of the last one; fills the cache (and with
         record_routes, `_route_out` with each MoE layer's (N*T, k) expert ids)."""
+        if self.lm_head_mm32:  # the trainer's output layer (engine/head.py): one GEMM with an fp32 result on CUDA
+            out = self.model.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache,
+                                   use_cache=True)
+            return _mm32(out.last_hidden_state[:, -1], self.model.lm_head.weight.t())
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache,
                          use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].float()

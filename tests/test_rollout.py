@@ -296,3 +296,38 @@ def test_the_compiled_decoder_on_cuda_matches_generate_and_the_eager_decoder(att
                                   attention=attention if c else "torch"), ids, mask, tree, 8, eos_id=-1, pad_id=0,
                           temperature=0)[0] for c in (True, False)]
     assert torch.equal(*outs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fp32-result GEMM is the CUDA path")
+@pytest.mark.parametrize("compile", [False, True])
+def test_the_decoders_logits_on_cuda_are_the_trainers_fp32_product_not_bf16_logits(compile):
+    """On CUDA a bf16 model's rollout logits come from the output layer's GEMM with an fp32 result, as the trainer's
+    log-probs (engine/head.py), not from bf16 logits upcast (a logit near 30 would move by up to 1/16): the prefill
+    (eager) and a decode step (compiled and CUDA-graphed with compile) alike, close to fp32 logits of the same
+    hidden states."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.config import ModelConfig
+    from engine.decoder import Decoder
+    from engine.model import make_hf_config
+
+    torch.manual_seed(0)
+    m = ModelConfig(q_lora_rank=48, num_layers=3, first_dense_layers=1)
+    model = AutoModelForCausalLM.from_config(make_hf_config(m), dtype=torch.bfloat16).eval().cuda()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)  # logits of a few units, where bf16's step is 1/64 or more
+    dec = Decoder(model, "cuda", batch_size=4, cache_len=32, compile=compile)
+    ids = torch.randint(3, 512, (4, 9), generator=torch.Generator().manual_seed(1)).cuda()
+    mask = torch.ones_like(ids)
+    first, pos = dec._prefill(ids, mask, response_visible=True)
+    first = first.clone()
+    tok = first.argmax(-1)
+    second = dec._step(tok, pos, torch.ones(4, dtype=torch.bool, device="cuda")).clone()
+    seq = torch.cat([ids, tok[:, None]], 1)
+    with torch.no_grad():
+        hidden = model.model(seq).last_hidden_state.float()
+        want = hidden @ model.lm_head.weight.float().t()  # (4, 10, V): fp32 logits of transformers' hidden states
+    for got, ref in ((first, want[:, -2]), (second, want[:, -1])):
+        assert got.dtype == torch.float32 and got.shape == ref.shape
+        assert (got != got.bfloat16().float()).float().mean() > 0.5  # not bf16 values upcast
+        assert ref.abs().max() > 2 and (got - ref).abs().max() < 0.05 * ref.abs().max(), (got - ref).abs().max()
