@@ -42,6 +42,7 @@ PIPELINE_ARCHS = ("deepseek_v3", "qwen3_moe")  # engine/pipeline.py's stages, te
 # Sections the engine reads as objects (a `null` or a list there is refused before anything reads it).
 SECTIONS = ("zero_optimization", "optimizer", "bf16", "fp16", "expert_parallel", "pipeline", "compile", "checkpoint",
             "activation_checkpointing")
+SUBSECTIONS = {"zero_optimization": ("offload_optimizer", "offload_param"), "optimizer": ("params",)}
 # Top-level keys of a DeepSpeed config (with deepspeed.runtime.constants' own): a key that is none of them but close to
 # one is a misspelling DeepSpeed would silently ignore (a misspelled zero_optimization trains with ZeRO off).
 TOP_LEVEL = (*SECTIONS, "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
@@ -120,13 +121,16 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, ranks_per_node
     cfg = copy.deepcopy(cfg)
     p = [f"{k}: must be an object ({{...}}), not {json.dumps(cfg[k])}" for k in SECTIONS
          if k in cfg and not isinstance(cfg[k], dict)] + misspelled_keys(cfg)
+    p += [f"{k}.{sub}: must be an object ({{...}}), not {json.dumps(cfg[k][sub])}" for k, subs in SUBSECTIONS.items()
+          if isinstance(cfg.get(k), dict) for sub in subs if cfg[k].get(sub) is not None
+          and not isinstance(cfg[k][sub], dict)]
     if p:  # what follows reads these as objects
         raise ConfigError(f"{where}: " + "; ".join(p))
     if (cfg.get("bf16") or {}).get("enabled") and (cfg.get("fp16") or {}).get("enabled"):
         p.append("bf16 and fp16 are both enabled; keep one (bf16 on GPUs that have it)")
     stage = zero_stage(cfg)
     if "pipeline" not in cfg and stage not in (1, 2, 3):
-        p.append(f"zero_optimization.stage ({stage}) must be 1, 2 or 3")
+        p.append(f"zero_optimization.stage ({stage!r}) must be 1, 2 or 3")
     stages = 1
     if "pipeline" in cfg:
         stages, found = check_pipeline(cfg, recipe, stage)
@@ -218,7 +222,10 @@ def resolve_optimizer(cfg: dict, recipe: Recipe, device: str = "cpu") -> list[st
                  "second is NaN); remove it and offload with ds_configs/zero3_offload.json (offload_optimizer.ratio) "
                  "or keep the states on the GPU with zero2_bf16_states.json")
     ratio = ((cfg.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("ratio", 1.0)
-    if isinstance(ratio, (int, float)) and ratio < 1.0 and zero_stage(cfg) != 3:
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+        p.append(f"zero_optimization.offload_optimizer.ratio ({ratio!r}) must be a number from 0 to 1: the share of "
+                 "the optimizer DeepSpeed keeps on the host")
+    elif ratio < 1.0 and zero_stage(cfg) != 3:
         p.append(f"zero_optimization.offload_optimizer.ratio ({ratio}): DeepSpeed offloads part of the optimizer under "
                  "ZeRO-3 only (ZeRO-1/2 offload all of it); remove ratio, or use ds_configs/zero3_offload.json")
     if "optimizer" not in cfg:

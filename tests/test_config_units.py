@@ -1,0 +1,254 @@
+"""engine/auto_batch.py's memory model and engine/ds_config.py's checks, case by case: each test fails if the rule
+its docstring names is dropped or bent (the partition of weights, gradients and optimizer by ZeRO stage, expert
+parallelism's split, checkpointing's activations, "auto"'s rounding and boundaries, each refusal)."""
+from pathlib import Path
+
+import pytest
+
+import engine
+from engine import auto_batch as ab
+from engine.auto_batch import AutoBatch, param_counts
+from engine.config import RECIPES, ConfigError, load_recipe
+from engine.ds_config import (auto_autoep_size, compile_blocker, misspelled_keys, read_ds_config,
+                              resolve_ds_config)
+
+ROOT = Path(engine.__file__).resolve().parents[1]
+ZERO2, ZERO3, PIPE = (ROOT / "ds_configs" / n for n in ("zero2.json", "zero3.json", "pipe.json"))
+GIB = 2**30
+
+
+def tiny(**overrides):
+    return load_recipe(None, overrides or None)
+
+
+# ---------------------------------------------------------------- engine/auto_batch.py
+
+def test_fp32_gradient_accumulation_spelled_float32_counts_4_bytes():
+    """Each spelling of fp32 gradient accumulation counts 4 bytes a gradient ("float32" too)."""
+    for spelling in ("fp32", "float32", "float"):
+        cfg = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": spelling}}
+        assert ab._bytes_per_param(cfg)[1] == 4, spelling
+    assert ab._bytes_per_param({"bf16": {"enabled": True}})[1] == 2
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stages_partition_weights_grads_and_optimizer_over_dp(stage):
+    """Guards against (weights partitioned from stage 2) and (gradients
+    partitioned only from stage 3): ZeRO-1 splits the optimizer, ZeRO-2 also the gradients, ZeRO-3 also the weights."""
+    r = tiny()
+    total, _ = param_counts(r.model)
+    dp = 4
+    cfg = {"bf16": {"enabled": True}, "zero_optimization": {"stage": stage}}
+    w = 2 * (total / dp if stage >= 3 else total)
+    g = 2 * (total / dp if stage >= 2 else total)
+    o = 12 * total / dp  # fp32 master + two fp32 Adam moments
+    assert ab.states_gib(cfg, r, dp) == pytest.approx((w + g + o) / GIB, rel=1e-12)
+
+
+def test_expert_parallel_splits_the_routed_experts_a_rank_holds_unpartitioned():
+    """Guards against (local = total, the experts / autoep_size split dropped): under ZeRO-2 the
+    weights are unpartitioned, so with autoep_size 2 a rank holds the dense part and half the routed experts."""
+    r = tiny()
+    total, experts = param_counts(r.model)
+    assert experts > 0
+    cfg = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2},
+           "expert_parallel": {"enabled": True, "autoep_size": 2}}
+    dp = 2
+    expected = (2 * (total - experts + experts / 2) + 2 * total / dp + 12 * total / dp) / GIB
+    assert ab.states_gib(cfg, r, dp) == pytest.approx(expected, rel=1e-12)
+
+
+def test_activation_checkpointing_keeps_every_layers_input():
+    """Guards against ((num_layers - 1) x CKPT): with checkpointing, seq x hidden x (layers x CKPT + A)
+    bytes per sample; tiny: 128 x 64 x (2 x 3.09 + 85.33) (plain_eager, MoE width 13 < 17 is not scaled)."""
+    cfg = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}  # no expert_parallel: plain_eager
+    ckpt = tiny(**{"train.activation_checkpointing": True})
+    plain = tiny(**{"train.activation_checkpointing": False})
+    assert ab.per_sample_gib(cfg, ckpt, "cuda") == pytest.approx(128 * 64 * (2 * 3.09 + 85.33) / GIB, rel=1e-9)
+    assert ab.per_sample_gib(cfg, plain, "cuda") == pytest.approx(128 * 64 * 2 * 85.33 / GIB, rel=1e-9)
+
+
+def test_gated_deltanet_term_counts_once_with_activation_checkpointing(monkeypatch):
+    """Guards against (the GDN term multiplied by every GDN layer even with checkpointing). With
+    checkpointing one layer is recomputed at a time, so the Gated DeltaNet excess is counted once."""
+    monkeypatch.setattr(ab, "linear_attention", lambda m: (3, 4096))
+    cfg = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}
+    gdn = 218.0 * 4096 - 36.1 * 64
+    ckpt = tiny(**{"train.activation_checkpointing": True})
+    plain = tiny(**{"train.activation_checkpointing": False})
+    assert ab.per_sample_gib(cfg, ckpt, "cuda") == pytest.approx(
+        128 * (64 * (2 * 3.09 + 85.33) + gdn) / GIB, rel=1e-9)
+    assert ab.per_sample_gib(cfg, plain, "cuda") == pytest.approx(
+        128 * (64 * 2 * 85.33 + 3 * gdn) / GIB, rel=1e-9)
+
+
+def test_host_offload_without_ratio_offloads_the_whole_optimizer():
+    """Guards against (offload_optimizer.ratio defaulting to 0.5 instead of DeepSpeed's 1.0)."""
+    r = tiny()
+    total = param_counts(r.model)[0]
+    cfg = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    assert ab.host_offload_gib(cfg, r, 1) == pytest.approx(16 * total / GIB, rel=1e-12)
+    assert ab.host_offload_gib(cfg, r, 2) == pytest.approx(8 * total / GIB, rel=1e-12)
+
+
+def test_a_missing_gradient_accumulation_key_is_deepspeeds_1_not_auto():
+    """Guards against (a missing gradient_accumulation_steps treated as "auto"). DeepSpeed's default
+    is 1 and resolve_batch_size reads it so; only the literal "auto" is resolved."""
+    raw = read_ds_config(ZERO2)
+    del raw["gradient_accumulation_steps"]
+    auto = AutoBatch(memory_gib=80.0)
+    cfg = resolve_ds_config(raw, tiny(), world_size=1, ranks_per_node=1, device="cuda", auto_batch=auto)
+    assert cfg.get("gradient_accumulation_steps", 1) == 1
+    assert cfg["train_batch_size"] == cfg["train_micro_batch_size_per_gpu"]
+    assert auto.chosen["grad_accum"] == 1
+
+
+def test_resume_with_a_non_dividing_written_micro_batch_falls_back_to_autos_accumulation():
+    """Guards against (the divisibility check dropped, 16 x 4 // 6 = 10 silently taken). 64 sequences
+    are no multiple of 6, so auto's own pick for micro 6 stands: round-half-up(64 / 6) = 11."""
+    r = load_recipe(RECIPES / "deepseek_2b6.yaml", {"model.vocab_size": 512})
+    raw = {**read_ds_config(ZERO2), "train_micro_batch_size_per_gpu": 6}
+    auto = AutoBatch(memory_gib=140.4, recorded={"micro_batch": 16, "grad_accum": 4})
+    cfg = resolve_ds_config(raw, r, world_size=1, ranks_per_node=1, device="cuda", auto_batch=auto)
+    assert (cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]) == (6, 11)
+    assert "the checkpoint's" not in auto.note
+
+
+class _Synthetic(AutoBatch):
+    """Predicted peak = micro GiB (or a fixed table)."""
+    table: dict | None = None
+
+    def peak_gib(self, cfg, recipe, dp, micro, device):
+        return float(micro) if self.table is None else self.table[micro]
+
+
+def test_a_peak_exactly_at_the_usable_memory_fits():
+    """Guards against (peaks[m] <= usable -> <). "Fits" means at most the usable memory."""
+    a = _Synthetic(memory_gib=100.0)
+    usable = ab.USABLE_FRACTION * a.memory_gib - ab.MARGIN_GIB
+    a.table = {m: (usable if m == 16 else usable + 1 if m > 16 else usable - 1) for m in ab.CANDIDATES}
+    micro, _, problem = a.pick_micro({}, tiny(), 1, "cuda")
+    assert problem is None and micro == 16
+
+
+def test_the_line_names_the_next_candidate_up():
+    """Guards against (bigger[-1] -> bigger[0]): at micro 8 the line says what 16 (the next one up)
+    would need, not 32."""
+    a = _Synthetic(memory_gib=(10.5 + ab.MARGIN_GIB) / ab.USABLE_FRACTION)  # usable 10.5: 8 fits, 16 does not
+    micro, why, problem = a.pick_micro({}, tiny(), 1, "cuda")
+    assert (micro, problem) == (8, None)
+    assert why.endswith("; 16 would need 16.0"), why
+
+
+def test_accumulation_rounds_half_up_not_up():
+    """Guards against (math.floor(x + 0.5) -> math.ceil(x)): 2253 tokens / (8 x 128) = 2.2 -> 2."""
+    r = tiny(**{"train.tokens_per_step_per_gpu": 2253})
+    assert AutoBatch().pick_accum(r, 8, "cpu")[0] == 2
+    r = tiny(**{"train.tokens_per_step_per_gpu": 2560})  # 2.5 -> 3
+    assert AutoBatch().pick_accum(r, 8, "cpu")[0] == 3
+
+
+def test_near_miss_keys_just_above_the_cutoff_are_named():
+    """Guards against (difflib cutoff 0.8 -> 0.9): similarity 0.85-0.88 misspellings are still caught."""
+    for key in ("gradient_accumulation", "train_micro_batch_size"):
+        [line] = misspelled_keys({key: 4})
+        assert line.startswith(f"{key}: not a DeepSpeed setting"), line
+    assert misspelled_keys({"gradient_accumulation_steps": 4, "zero_optimization": {}}) == []
+
+
+def test_auto_autoep_size_divides_the_ranks_per_node():
+    """Guards against (`limit % d == 0` dropped): 6 experts, 12 ranks, 8 per node: gcd(12, 8) = 4, so
+    3 (which would put one EP group across two nodes) is not allowed; 2 is."""
+    assert auto_autoep_size(num_experts=6, world_size=12, ranks_per_node=8) == 2
+
+
+def _refused(raw, recipe=None, world=1, **kw):
+    with pytest.raises(ConfigError) as e:
+        resolve_ds_config(raw, recipe or tiny(), world_size=world, ranks_per_node=world, auto_batch=AutoBatch(), **kw)
+    return str(e.value)
+
+
+def test_bf16_and_fp16_together_are_refused():
+    """Guards against (the bf16 + fp16 refusal skipped)."""
+    raw = {**read_ds_config(ZERO3), "fp16": {"enabled": True}}
+    assert "bf16 and fp16 are both enabled; keep one" in _refused(raw)
+
+
+def test_zero_stage_0_without_a_pipeline_is_refused():
+    """Guards against (stage 0 accepted)."""
+    raw = read_ds_config(ZERO2)
+    raw["zero_optimization"]["stage"] = 0
+    assert "zero_optimization.stage (0) must be 1, 2 or 3" in _refused(raw)
+
+
+def test_cpu_ranks_give_torch_adam_only_to_adam():
+    """Guards against (the Adam/AdamW condition dropped: torch_adam added to any optimizer's params,
+    which e.g. torch.optim.SGD would reject)."""
+    raw = read_ds_config(ZERO2)
+    raw["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
+    cfg = resolve_ds_config(raw, tiny(), world_size=1, ranks_per_node=1, device="cpu", auto_batch=AutoBatch())
+    assert "torch_adam" not in cfg["optimizer"]["params"]
+
+
+def test_a_preset_model_other_than_the_recipes_arch_is_refused():
+    """Guards against (the preset_model check skipped)."""
+    raw = read_ds_config(ZERO2)
+    raw["expert_parallel"]["preset_model"] = "qwen3_moe"
+    assert "expert_parallel.preset_model ('qwen3_moe') does not match model.arch ('deepseek_v3')" in _refused(raw)
+
+
+def test_a_boolean_micro_batch_is_refused():
+    """Guards against (isinstance(micro, bool) dropped: true passed as micro-batch 1)."""
+    raw = {**read_ds_config(ZERO2), "train_micro_batch_size_per_gpu": True, "gradient_accumulation_steps": 1}
+    assert "train_micro_batch_size_per_gpu (True) must be a positive integer" in _refused(raw)
+
+
+def test_a_pipeline_with_zero_stage_0_is_refused():
+    """Guards against (stage 0 accepted with a pipeline section)."""
+    raw = read_ds_config(PIPE)
+    raw["zero_optimization"]["stage"] = 0
+    assert "zero_optimization.stage (0) cannot be combined with a pipeline section" in _refused(raw, world=2)
+
+
+def test_a_pipeline_without_the_moe_layer_pattern_is_refused():
+    """Guards against (the AutoEP moe_layer_pattern check in pipeline mode skipped)."""
+    raw = read_ds_config(PIPE)
+    del raw["expert_parallel"]["moe_layer_pattern"]
+    assert "expert_parallel.moe_layer_pattern (None): in pipeline mode" in _refused(raw, world=2)
+
+
+def test_zero1_compiles_around_autoep_like_zero2():
+    """Guards against (compile_blocker refusing ZeRO-1)."""
+    raw = read_ds_config(ZERO2)
+    raw["zero_optimization"]["stage"] = 1
+    assert compile_blocker(raw) is None
+    raw["zero_optimization"]["stage"] = 3
+    assert compile_blocker(raw) == "ZeRO stage 1 or 2 (this config has stage 3)"
+
+
+def test_a_zero_subsection_or_optimizer_params_that_is_not_an_object_is_one_line():
+    """offload_optimizer given as a string (or params as a list) is named in one line, not an AttributeError."""
+    raw = read_ds_config(ZERO2)
+    raw["zero_optimization"]["offload_optimizer"] = "cpu"
+    raw["optimizer"]["params"] = ["lr"]
+    line = _refused(raw)
+    assert 'zero_optimization.offload_optimizer: must be an object ({...}), not "cpu"' in line, line
+    assert 'optimizer.params: must be an object ({...}), not ["lr"]' in line, line
+
+
+def test_a_stage_written_as_a_string_shows_its_quotes():
+    """"stage": "3" reads "('3') must be 1, 2 or 3", not the contradictory "(3) must be 1, 2 or 3"."""
+    raw = read_ds_config(ZERO2)
+    raw["zero_optimization"]["stage"] = "3"
+    assert "zero_optimization.stage ('3') must be 1, 2 or 3" in _refused(raw)
+
+
+@pytest.mark.parametrize("ratio", [1.5, -0.5, "half", True])
+def test_an_offload_ratio_outside_0_to_1_is_refused(ratio):
+    """offload_optimizer.ratio is a share: outside [0, 1] (or not a number) one line, before DeepSpeed's traceback
+    and before the memory model works with it."""
+    raw = read_ds_config(ROOT / "ds_configs" / "zero3_offload.json")
+    raw["zero_optimization"]["offload_optimizer"]["ratio"] = ratio
+    assert f"zero_optimization.offload_optimizer.ratio ({ratio!r}) must be a number from 0 to 1" in _refused(raw)
+    raw["zero_optimization"]["offload_optimizer"]["ratio"] = 0.3
+    resolve_ds_config(raw, tiny(), world_size=1, ranks_per_node=1, auto_batch=AutoBatch())
