@@ -181,7 +181,7 @@ class CurriculumConfig:
     """grpo.curriculum: which prompts each step draws, from their pass rates so far (engine/curriculum.py).
 
     Per prompt: attempts, passes (completions whose total reward >= pass_threshold) and the reward sum, over all
-    ranks. Each step draws its global batch of prompts: round(unseen_share x batch) from prompts never tried
+    ranks. Each step draws its global batch of prompts: unseen_share x batch (rounded half up) from prompts never tried
     (uniformly), the rest from tried ones with weight 1 when the pass rate estimate (passes / attempts) lies in
     `band`, `outside_weight` when it does not (always or never solved: sampled rarely, never starved), without
     replacement. Too few tried prompts: the rest is unseen ones; too few unseen: the rest is tried ones."""

@@ -4,7 +4,7 @@
 GRPO (PromptCurriculum). Per prompt it keeps attempts, passes (completions whose total reward >= pass_threshold)
 and the reward sum. Step s draws the step's global batch of B prompts with a generator seeded by (seed, s):
 
-- round(unseen_share x B) prompts never tried, uniformly (fewer when fewer are left);
+- unseen_share x B prompts (rounded half up) never tried, uniformly (fewer when fewer are left);
 - the rest from the tried prompts, without replacement, with weight 1 when the pass rate estimate
   (passes / attempts) lies in `band` (inclusive) and `outside_weight` when it does not: prompts always or never
   solved lose priority but keep a chance every step, so a prompt the policy has learnt since (or forgotten) is
