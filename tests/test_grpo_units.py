@@ -384,7 +384,9 @@ def test_parameter_free_functions_compiled_for_varying_lengths_trace_once(monkey
         assert graphs[1] > graphs[0], graphs  # what lengths_vary saves
 
 
-@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.skipif(
+    torch.__version__ < (2, 13), reason="torch 2.11's CPU Inductor rounds differently (seen on the GPU image); the "
+    "pinned 2.13 and CUDA do not"))] + (["cuda"] if torch.cuda.is_available() else []))
 def test_compiled_parameter_free_functions_give_the_eager_forward_to_the_bit(monkeypatch, device):
     """GRPO's policy pass runs the compiled functions (with autograd), its reference and old-log-prob passes the eager
     ones (no_grad): in bf16 the two forwards must be equal to the bit, or the first iteration's ratio is not 1 and the

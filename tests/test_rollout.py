@@ -319,12 +319,12 @@ def test_the_decoders_logits_on_cuda_are_the_trainers_fp32_product_not_bf16_logi
     dec = Decoder(model, "cuda", batch_size=4, cache_len=32, compile=compile)
     ids = torch.randint(3, 512, (4, 9), generator=torch.Generator().manual_seed(1)).cuda()
     mask = torch.ones_like(ids)
-    first, pos = dec._prefill(ids, mask, response_visible=True)
-    first = first.clone()
-    tok = first.argmax(-1)
-    second = dec._step(tok, pos, torch.ones(4, dtype=torch.bool, device="cuda")).clone()
-    seq = torch.cat([ids, tok[:, None]], 1)
-    with torch.no_grad():
+    with torch.no_grad():  # as generate and the tree calls run it
+        first, pos = dec._prefill(ids, mask, response_visible=True)
+        first = first.clone()
+        tok = first.argmax(-1)
+        second = dec._step(tok, pos, torch.ones(4, dtype=torch.bool, device="cuda")).clone()
+        seq = torch.cat([ids, tok[:, None]], 1)
         hidden = model.model(seq).last_hidden_state.float()
         want = hidden @ model.lm_head.weight.float().t()  # (4, 10, V): fp32 logits of transformers' hidden states
     for got, ref in ((first, want[:, -2]), (second, want[:, -1])):
