@@ -192,8 +192,8 @@ def test_normalize_std_in_a_group_of_two_divides_by_its_std():
 
 def _first_own_token_first(pick_branch_points):
     """A branch-point policy: the real pick_branch_points on fake entropies that peak at each branch's first own token
-    (a chain's at offset 2; elsewhere falling with the offset), so the only thing keeping a new path's first token from being picked again is
-    generate_tree's `branched` set."""
+    (a chain's at offset 2; elsewhere falling with the offset), so the only thing keeping a new path's first token
+    from being picked again is generate_tree's `branched` set."""
     def pick(entropy, starts, n, branched, window=None):
         fake = [[10.0 if k == (s if s > 0 else 2) else 1.0 / (1 + k) for k in range(len(e))]
                 for e, s in zip(entropy, starts)]  # a chain peaks at offset 2
@@ -219,7 +219,7 @@ def test_a_new_paths_first_token_is_never_branched_from_again():
         i = row % G
         assert not (info.parents[i] >= 0 and k == info.starts[i]), (row, k, info.parents, info.starts)
     assert len(set(info.branch_points)) == len(info.branch_points)
-    assert info.starts[:G] == [0, 2, 0], info.starts  # iteration 1 branched the chain at offset 2, iteration 2 not at 2 again
+    assert info.starts[:G] == [0, 2, 0], info.starts  # iteration 1 branched the chain at 2, iteration 2 not again
 
 
 def test_segment_len_confines_each_iteration_to_its_window():
