@@ -502,8 +502,8 @@ def read_inputs(args: argparse.Namespace) -> tuple[list[Host], dict[str, str]]:
     if not args.hostfile:
         raise InputError("--hostfile is required (e.g. --hostfile hostfiles/do_2node)")
     for name in ("size_mb", "iters", "timeout", "connect_timeout"):
-        if getattr(args, name) <= 0:
-            raise InputError(f"--{name} must be > 0, got {getattr(args, name)}")
+        if not getattr(args, name) > 0 or getattr(args, name) == float("inf"):  # nan fails > 0
+            raise InputError(f"--{name} must be a finite number > 0, got {getattr(args, name)}")
     if args.master_port is not None and not 0 < args.master_port < 65536:
         raise InputError(f"--master_port {args.master_port} is not a port number")
     hosts = parse_hostfile(args.hostfile)

@@ -404,10 +404,17 @@ def load_recipe(path: str | Path | None = None, overrides: dict | None = None) -
         at = f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
         what = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(f"recipe {path}: not valid YAML{at} ({what})") from None
-    for dotted, value in (overrides or {}).items():
-        section, _, key = dotted.rpartition(".")
-        target = raw.setdefault(section, {}) if section else raw
-        if isinstance(target, dict):
+    if not isinstance(raw, dict):
+        raise ConfigError(f"recipe {path}: expected a mapping of sections (model:, train:, data:, ...), got "
+                          f"{type(raw).__name__}")
+    for dotted, value in (overrides or {}).items():  # "train.max_steps", "grpo.tree.enabled"
+        *sections, key = dotted.split(".")
+        target = raw
+        for name in sections:  # an empty section (`train:` with nothing under it) reads as None: filled
+            if isinstance(target, dict) and target.get(name) is None:
+                target[name] = {}
+            target = target.get(name) if isinstance(target, dict) else None
+        if isinstance(target, dict):  # else the section is not a mapping, which validation names
             target[key] = value
     problems: list[str] = []
     recipe = _fill(Recipe, raw, "", problems)
