@@ -48,9 +48,9 @@ def main(argv=None) -> int:
                     "DeepSeek's latent attention as one kernel per layer, engine/mla_decode.py)")
     ap.add_argument("--compile_mode", default="reduce-overhead",
                     help="torch.compile mode of the decode step (max-autotune: also tunes its GEMMs; compiles longer)")
-    ap.add_argument("--logits", choices=("fp32", "bf16"), default="fp32",
-                    help="bf16: the output layer as transformers runs it (bf16 logits, then upcast) instead of the "
-                    "decoder's one GEMM with an fp32 result (CUDA), to compare the two")
+    ap.add_argument("--logits", choices=("bf16", "fp32"), default="bf16",
+                    help="fp32: the decoder's logits as one GEMM with an fp32 result (CUDA), as the trainer's output "
+                    "layer, instead of transformers' bf16 logits upcast (the default), to compare the two")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
 
@@ -78,10 +78,8 @@ def main(argv=None) -> int:
     dec = Decoder(model, device, args.batch, cache_len, args.decode_experts or recipe.grpo.decode_experts,
                   compile=False if args.no_compile else None, record_routes=args.record_routes,
                   fold_shared=not args.no_fold_shared, compile_mode=args.compile_mode,
-                  attention=args.decode_attention or recipe.grpo.decode_attention)
+                  attention=args.decode_attention or recipe.grpo.decode_attention, logits=args.logits)
     build_s = time.perf_counter() - t0
-    if args.logits == "bf16":
-        dec.lm_head_mm32 = False  # read when the decode step is first traced (the first generate)
     rows = []
 
     def call(label: str) -> torch.Tensor:

@@ -439,7 +439,8 @@ class Decoder:
 
     def __init__(self, module: torch.nn.Module, device, batch_size: int, cache_len: int,
                  decode_experts: str = "auto", compile: bool | None = None, record_routes: bool = False,
-                 fold_shared: bool = True, compile_mode: str = "reduce-overhead", attention: str = "auto"):
+                 fold_shared: bool = True, compile_mode: str = "reduce-overhead", attention: str = "auto",
+                 logits: str = "bf16"):
         from transformers import StaticCache
 
         decode_experts = resolve_decode_experts(decode_experts, device)
@@ -462,11 +463,14 @@ class Decoder:
             for m in mla:
                 m._mla_kernel = True
         self.attention = attention
-        # Logits as the trainer computes them on CUDA: a bf16 GEMM with an fp32 result. Rounded to bf16 first (as
-        # transformers' lm_head returns them), a logit near 30 moves by up to 1/16: at temperature 0.7 the sampled
-        # tokens' log-probs moved by 0.021 on average against the trainer's, a mismatch rollout correction then sees.
-        # Elsewhere (CPU, fp32 models) transformers' own output layer, the same values.
-        self.lm_head_mm32 = (torch.device(device).type == "cuda" and model.lm_head.bias is None
+        # logits="fp32": on CUDA the logits as the trainer computes them, a bf16 GEMM with an fp32 result. Rounded to
+        # bf16 first (transformers' lm_head, the default "bf16"), a logit near 30 moves by up to 1/16: at temperature
+        # 0.7 the sampled tokens' log-probs moved by 0.021 on average against the trainer's (CPU emulation), a
+        # mismatch rollout correction then sees. Not the default yet: its compiled decode step has not run on a GPU
+        # (bin/decode_bench.py --logits fp32 measures it). Elsewhere (CPU, fp32 models) the same values either way.
+        if logits not in ("bf16", "fp32"):
+            raise ValueError(f"rollout decoder: logits {logits!r} is not bf16 or fp32")
+        self.lm_head_mm32 = (logits == "fp32" and torch.device(device).type == "cuda" and model.lm_head.bias is None
                              and model.lm_head.weight.dtype in (torch.bfloat16, torch.float16))
         if config.model_type == "deepseek_v2":  # its rotary as cos/sin (no complex tensors in the compiled step)
             model.model.rotary_emb.forward = types.MethodType(deepseek_v2_cos_sin, model.model.rotary_emb)

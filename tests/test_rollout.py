@@ -301,8 +301,9 @@ def test_the_compiled_decoder_on_cuda_matches_generate_and_the_eager_decoder(att
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fp32-result GEMM is the CUDA path")
 @pytest.mark.parametrize("compile", [False, True])
 def test_the_decoders_logits_on_cuda_are_the_trainers_fp32_product_not_bf16_logits(compile):
-    """On CUDA a bf16 model's rollout logits come from the output layer's GEMM with an fp32 result, as the trainer's
-    log-probs (engine/head.py), not from bf16 logits upcast (a logit near 30 would move by up to 1/16): the prefill
+    """With logits="fp32", on CUDA a bf16 model's rollout logits come from the output layer's GEMM with an fp32
+    result, as the trainer's log-probs (engine/head.py), not from bf16 logits upcast (a logit near 30 would move by up
+    to 1/16): the prefill
     (eager) and a decode step (compiled and CUDA-graphed with compile) alike, close to fp32 logits of the same
     hidden states."""
     from transformers import AutoModelForCausalLM
@@ -316,7 +317,7 @@ def test_the_decoders_logits_on_cuda_are_the_trainers_fp32_product_not_bf16_logi
     model = AutoModelForCausalLM.from_config(make_hf_config(m), dtype=torch.bfloat16).eval().cuda()
     with torch.no_grad():
         model.lm_head.weight.mul_(20)  # logits of a few units, where bf16's step is 1/64 or more
-    dec = Decoder(model, "cuda", batch_size=4, cache_len=32, compile=compile)
+    dec = Decoder(model, "cuda", batch_size=4, cache_len=32, compile=compile, logits="fp32")
     ids = torch.randint(3, 512, (4, 9), generator=torch.Generator().manual_seed(1)).cuda()
     mask = torch.ones_like(ids)
     with torch.no_grad():  # as generate and the tree calls run it
