@@ -8,6 +8,7 @@ import pytest
 
 from engine.config import CurriculumConfig
 from engine.curriculum import PromptCurriculum
+from test_tree import prompts, tiny
 
 
 def _cur(n=10, batch=4, seed=0, **kw) -> PromptCurriculum:
@@ -114,24 +115,11 @@ def test_for_run_restores_the_checkpoints_statistics():
 # ----------------------------------------------------------------------------------------------- tree
 
 
-def _tiny_model(arch: str = "qwen3_moe"):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from engine.config import ModelConfig
-    from engine.model import make_hf_config
-
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(make_hf_config(ModelConfig(arch=arch))).eval()
+def _tiny_model():
+    return tiny("qwen3_moe")  # test_tree's model helper, with Qwen3-MoE attention
 
 
-def _prompts():
-    import torch
-
-    ids = torch.randint(1, 512, (2, 7), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0
-    return ids, mask
+_prompts = prompts  # test_tree's two prompts, the second left-padded
 
 
 def test_cache_tokens_cover_every_decoding_phase_of_a_tree():
