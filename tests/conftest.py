@@ -198,14 +198,29 @@ class RankPool:
         read = [[(self.dir / f"{k}.rank{r}.{s}") for r in range(self.ranks)] for s in ("out", "err")]
         return tuple("".join(f.read_text() for f in files if f.exists()) for files in read)
 
-    def run(self, script, args: list, cwd: Path, environ: dict, path: list, timeout: float):
+    def run(self, script, args: list, cwd: Path, environ: dict, path: list, timeout: float, stuck_s: float = 60):
+        """Job k on every rank; its exit code is the first non-zero one. A rank that fails while another waits for it
+        in a collective (which would wait out the whole timeout): stuck_s after the failure the pool is killed (the
+        next job starts a new one) and the failure returned, with a line on stderr naming the ranks left waiting."""
         k, self.k = self.k, self.k + 1
         spec = {"script": str(script), "argv": [str(a) for a in args], "cwd": str(cwd),
                 "env": {k_: str(v) for k_, v in environ.items()}, "path": [str(p) for p in path]}
         (self.dir / f"{k}.tmp").write_text(json.dumps(spec))
         (self.dir / f"{k}.tmp").rename(self.dir / f"{k}.json")
         rcs, end = [self.dir / f"{k}.rank{r}.rc" for r in range(self.ranks)], time.time() + timeout
+        failed_at = None
         while not all(f.exists() for f in rcs):
+            done = [(r, int(f.read_text())) for r, f in enumerate(rcs) if f.exists()]
+            failed = [(r, c) for r, c in done if c]
+            if failed and failed_at is None:
+                failed_at = time.time()
+            if failed_at is not None and time.time() > failed_at + stuck_s:
+                out, err = self.outputs(k)
+                self.close(kill=True)
+                waiting = [r for r in range(self.ranks) if r not in dict(done)]
+                err += (f"\n<rank pool> rank {failed[0][0]} exited {failed[0][1]}; rank(s) {waiting} still running "
+                        f"{stuck_s:.0f} s later (waiting for it in a collective?): pool killed\n")
+                return subprocess.CompletedProcess(["<rank pool>", str(script), *spec["argv"]], failed[0][1], out, err)
             if self.proc.poll() is not None or time.time() > end:
                 why = f"exited {self.proc.returncode}" if self.proc.poll() is not None else f"ran past {timeout} s"
                 (out, err), log = self.outputs(k), (self.dir / "pool.log").read_text()
@@ -240,11 +255,12 @@ _jobs = None  # tests/scripts/pool.py, loaded once: run_job for 1-rank jobs in t
 
 
 def run_ranks(n_ranks: int, script, *args, cwd: Path, environ: dict | None = None, path: tuple = (),
-              timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
+              timeout: float = 600, check: bool = True, stuck_s: float = 60) -> subprocess.CompletedProcess:
     """`deepspeed --num_gpus n_ranks script args` for a test that checks what the run computes and writes, not how
     processes start and end: 2 ranks run it on this worker's RankPool, 1 rank in this process (a world of one, as
     `python script args` without a launcher), any other count as a real launch (`launch`: no `environ` or `path`).
-    `environ` and `path` (PYTHONPATH entries) are the job's additions. What only a fresh process shows (start-up,
+    `environ` and `path` (PYTHONPATH entries) are the job's additions; stuck_s: how long the pool waits for
+    the other rank after one fails (RankPool.run). What only a fresh process shows (start-up,
     signals, exit codes of the processes, peak memory) is tested through `launch` and friends."""
     global _pool, _jobs
     environ = {k: str(v) for k, v in (environ or {}).items()}
@@ -271,7 +287,7 @@ def run_ranks(n_ranks: int, script, *args, cwd: Path, environ: dict | None = Non
     else:
         if _pool is None or _pool.proc.poll() is not None:
             _pool = RankPool(2)
-        p = _pool.run(script, list(args), cwd, environ, list(path), timeout)
+        p = _pool.run(script, list(args), cwd, environ, list(path), timeout, stuck_s)
     if check and p.returncode != 0:
         raise AssertionError(f"{' '.join(p.args)} exited {p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}")
     return p

@@ -30,3 +30,24 @@ def test_started_processes_import_the_checkout_first_and_keep_the_callers_path(t
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == str(ROOT / "engine" / "grpo.py")  # after DeepSpeed's log lines
+
+
+def test_a_rank_that_fails_while_the_other_waits_ends_the_job_soon(tmp_path):
+    """Rank 1 raises while rank 0 waits for it in a barrier (as a pipeline stage waits for its neighbour): the job
+    returns rank 1's failure and its traceback stuck_s later, not after the whole timeout, and the next job on a new
+    pool runs. [fails if: the pool waits for every rank's exit code until the timeout]"""
+    from conftest import RankPool
+
+    probe = tmp_path / "probe.py"
+    probe.write_text("import os, torch.distributed as dist\nfrom engine.parallel import init_distributed\n"
+                     "init_distributed()\nif int(os.environ['RANK']) == 1:\n    raise RuntimeError('rank one broke')\n"
+                     "dist.barrier()\n")
+    pool = RankPool(2)
+    try:
+        t = time.time()
+        p = pool.run(probe, [], tmp_path, {}, [str(ROOT)], timeout=300, stuck_s=3)
+        assert time.time() - t < 120 and p.returncode == 1, (time.time() - t, p.returncode, p.stderr[-2000:])
+        assert "rank one broke" in p.stderr and "rank(s) [0] still running" in p.stderr, p.stderr[-2000:]
+        assert pool.proc.poll() is not None  # killed: the next job starts a new pool
+    finally:
+        pool.close(kill=True)
