@@ -123,4 +123,5 @@ def has_moe(hf_config) -> bool:
         return False
     dense = getattr(hf_config, "first_k_dense_replace", 0) or 0
     only = set(getattr(hf_config, "mlp_only_layers", None) or [])
-    return any(i >= dense and i not in only for i in range(hf_config.num_hidden_layers))
+    step = getattr(hf_config, "decoder_sparse_step", 1) or 1  # Qwen-MoE: every step-th layer is sparse
+    return any(i >= dense and i not in only and (i + 1) % step == 0 for i in range(hf_config.num_hidden_layers))

@@ -129,6 +129,24 @@ def test_has_moe_counts_the_first_layer_after_the_dense_ones():
     assert not has_moe(DeepseekV3Config(num_hidden_layers=2, first_k_dense_replace=2))
 
 
+
+@pytest.mark.parametrize("step,only", [(1, []), (2, []), (3, []), (2, [1]), (1, [0, 1])])
+def test_has_moe_agrees_with_the_layers_qwen_moe_builds(step, only):
+    """Qwen-MoE makes layer i sparse only when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers:
+    has_moe says MoE exactly when the built 2-layer model has a sparse block. [fails if: decoder_sparse_step is
+    ignored (a model whose every layer is dense that way still reports MoE)]"""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    from engine.routing import has_moe
+
+    cfg = Qwen2MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+                         shared_expert_intermediate_size=8, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=step,
+                         mlp_only_layers=only)
+    built = any(isinstance(layer.mlp, Qwen2MoeSparseMoeBlock) for layer in Qwen2MoeForCausalLM(cfg).model.layers)
+    assert has_moe(cfg) == built
+
 # ---------------------------------------------------------------------------------------------------------- balance
 class _Layer(torch.nn.Module):
     """An AutoEP layer as ExpertBalance sees it: token counts per expert and a router with a routing-bias buffer."""
