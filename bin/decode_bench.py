@@ -48,9 +48,9 @@ def main(argv=None) -> int:
                     "DeepSeek's latent attention as one kernel per layer, engine/mla_decode.py)")
     ap.add_argument("--compile_mode", default="reduce-overhead",
                     help="torch.compile mode of the decode step (max-autotune: also tunes its GEMMs; compiles longer)")
-    ap.add_argument("--logits", choices=("bf16", "fp32"), default="bf16",
-                    help="fp32: the decoder's logits as one GEMM with an fp32 result (CUDA), as the trainer's output "
-                    "layer, instead of transformers' bf16 logits upcast (the default), to compare the two")
+    ap.add_argument("--logits", choices=("bf16", "fp32"), default="fp32",
+                    help="fp32 (the default): the decoder's logits as one GEMM with an fp32 result (CUDA), as the "
+                    "trainer's output layer; bf16: transformers' bf16 logits upcast, to compare the two")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
 

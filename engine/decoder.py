@@ -440,7 +440,7 @@ class Decoder:
     def __init__(self, module: torch.nn.Module, device, batch_size: int, cache_len: int,
                  decode_experts: str = "auto", compile: bool | None = None, record_routes: bool = False,
                  fold_shared: bool = True, compile_mode: str = "reduce-overhead", attention: str = "auto",
-                 logits: str = "bf16"):
+                 logits: str = "fp32"):
         from transformers import StaticCache
 
         decode_experts = resolve_decode_experts(decode_experts, device)
@@ -463,11 +463,11 @@ class Decoder:
             for m in mla:
                 m._mla_kernel = True
         self.attention = attention
-        # logits="fp32": on CUDA the logits as the trainer computes them, a bf16 GEMM with an fp32 result. Rounded to
-        # bf16 first (transformers' lm_head, the default "bf16"), a logit near 30 moves by up to 1/16: at temperature
-        # 0.7 the sampled tokens' log-probs moved by 0.021 on average against the trainer's (CPU emulation), a
-        # mismatch rollout correction then sees. Not the default yet: its decode step (compiled and eager checked on a
-        # GPU) is not timed yet (bin/decode_bench.py --logits fp32). Elsewhere (CPU, fp32 models) the same values.
+        # logits="fp32" (the default): on CUDA the logits as the trainer computes them, a bf16 GEMM with an fp32
+        # result. Rounded to bf16 first (transformers' lm_head, "bf16"), a logit near 30 moves by up to 1/16: at
+        # temperature 0.7 the sampled tokens' log-probs moved by 0.021 on average against the trainer's (CPU
+        # emulation), a mismatch rollout correction then sees. The decode step is no slower with it (H100: 3.34 ms
+        # against 3.36-3.41, bin/decode_bench.py --logits). Elsewhere (CPU, fp32 models) the same values.
         if logits not in ("bf16", "fp32"):
             raise ValueError(f"rollout decoder: logits {logits!r} is not bf16 or fp32")
         self.lm_head_mm32 = (logits == "fp32" and torch.device(device).type == "cuda" and model.lm_head.bias is None
