@@ -443,3 +443,23 @@ def test_data_seed_orders_the_data_apart_from_the_init_seed():
     assert order(a) != order(b) and sorted(order(a)) == sorted(order(b))
     with pytest.raises(ConfigError, match="data.seed"):
         load_recipe(None, {"data.seed": "six"})
+
+
+def test_a_first_row_longer_than_the_sample_is_not_called_invalid_json(tmp_path):
+    """A JSON-lines file whose first row is longer than the preflight's sample of it (1 MiB for one file, 64 KiB each
+    for 16 or more) is valid data that datasets loads: the head holds no whole row to check, and the corpus is not
+    refused. [fails if: the cut first row is parsed as a row ("row 1 is not valid JSON")]"""
+    import json
+
+    from engine.config import DataConfig
+    from engine.data_check import SAMPLE_FILES, check_corpus
+
+    one = tmp_path / "book.jsonl"
+    one.write_text(json.dumps({"text": "word " * 250_000}) + "\n" + json.dumps({"text": "short"}) + "\n")
+    assert check_corpus(DataConfig(path=str(one)), None, None, 1) == []
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for i in range(SAMPLE_FILES):
+        (shards / f"{i:02d}.jsonl").write_text(json.dumps({"text": "word " * 14_000}) + "\n"
+                                               + json.dumps({"text": "short"}) + "\n")
+    assert check_corpus(DataConfig(path=str(shards)), None, None, 1) == []
