@@ -173,8 +173,8 @@ class _EmulatedFp8GroupedMM(torch.autograd.Function):
     def backward(ctx, grad_out):
         a, b_t, offs = ctx.saved_tensors
         gq, bq = _fp8_round(grad_out, -1), _fp8_round(b_t, -1)
-        grad_a = torch.zeros(a.shape, dtype=torch.float32)
-        grad_b = torch.zeros(b_t.shape, dtype=torch.float32)
+        grad_a = torch.zeros(a.shape, dtype=torch.float32, device=a.device)
+        grad_b = torch.zeros(b_t.shape, dtype=torch.float32, device=b_t.device)
         for e, (s, t) in enumerate(_groups(offs)):
             grad_a[s:t] = gq[s:t] @ bq[e].transpose(0, 1)
             if t > s:  # per-group column scales over the group's rows
