@@ -1,0 +1,216 @@
+"""The rollout decoder's rules that the other unit tests leave open (engine/decoder.py, engine/rollout.py), on tiny
+random models on the CPU, eagerly: the top-p nucleus (sample, and the tree path's continue_rows), the tree path's
+entropies at temperature 1, a cache filled to its last slot, a decoder reused after other calls, EOS handling against
+transformers' generate, and DecoderRollout's turns (more rows than its batch), its sample grouping, its log-probs and
+routes beside the responses, min_new_tokens left out of greedy rollouts, and the response attention mask."""
+from types import SimpleNamespace
+
+import torch
+
+from conftest import ROOT  # noqa: F401  (ROOT puts the project on sys.path)
+from test_grpo_units import tiny_model
+from test_rollout import no_zero3_from_earlier_tests  # noqa: F401  (autouse: plain models stay unpartitioned)
+from test_routing import loss_positions, model_routes, same_sets
+from test_tree import full_forward_entropy, prompts, tiny
+
+
+def plain_logps(model, ids, attn, width: int, temperature: float) -> torch.Tensor:
+    """(N, T - width) log p of each response token under softmax(logits / T) from one plain forward (no cache)."""
+    with torch.no_grad():
+        logits = model(ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0)).logits.float()
+    return (logits[:, width - 1:-1] / temperature).log_softmax(-1).gather(-1, ids[:, width:, None])[..., 0]
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_top_p_after_the_temperature():
+    """Probabilities 0.5, 0.3, 0.15, 0.05 (shuffled in the vocabulary): top_p 0.7 keeps 0.5 and 0.3 (0.5 alone does
+    not reach 0.7) and draws them 5:3. At temperature 2 (0.38, 0.29, 0.21, 0.12) the nucleus is three tokens: the
+    temperature applies before the nucleus is cut. (tests/test_grpo_units.py's top-p case has a one-token nucleus.)
+    [fails if: the nucleus drops the token whose mass crosses top_p, or top-p is cut before the temperature]"""
+    from engine.decoder import draw, sample
+
+    logits = torch.tensor([0.05, 0.3, 0.15, 0.5]).log()
+    torch.manual_seed(0)
+    tok = sample(logits.expand(8000, -1), 1.0, 0.7)
+    assert set(tok.unique().tolist()) == {1, 3}
+    assert abs(float((tok == 3).float().mean()) - 0.5 / 0.8) < 0.03
+    tok = draw(logits.expand(8000, -1), None, 1.0, 0.7)[0]  # generate's path
+    assert set(tok.unique().tolist()) == {1, 3}
+    assert set(sample(logits.expand(8000, -1), 2.0, 0.7).unique().tolist()) == {1, 2, 3}
+
+
+def test_tree_rows_sample_from_the_top_p_nucleus():
+    """continue_rows (tree rollouts) and generate with a nucleus of one token (top_p 1e-6) at temperature 1 take the
+    argmax at every step: the greedy tokens; without top-p the same seed samples others.
+    [fails if: continue_rows samples without top_p]"""
+    from engine.decoder import Decoder
+
+    model = tiny()
+    ids, mask = prompts()
+    dec = Decoder(model, "cpu", batch_size=2, cache_len=7 + 8)
+
+    def tree(temperature, top_p):
+        dec.prefill(ids, mask)
+        torch.manual_seed(0)
+        return dec.continue_rows([0, 1], [8, 8], eos_id=-1, pad_id=0, temperature=temperature, top_p=top_p)[0]
+
+    greedy = tree(0.0, 1.0)
+    assert torch.equal(tree(1.0, 1e-6), greedy)
+    assert not torch.equal(tree(1.0, 1.0), greedy)  # not vacuous: sampling differs from the argmax here
+    torch.manual_seed(0)
+    assert torch.equal(dec.generate(ids, mask, 8, -1, 0, temperature=1.0, top_p=1e-6)[:, 7:], greedy)
+
+
+def test_tree_entropies_are_those_of_temperature_one():
+    """continue_rows returns the entropy of each sampled token's distribution at temperature 1 (its docstring; the
+    tree's branch points rank by it) also when sampling at temperature 1.5: a plain forward's entropy of the
+    prompt + tokens. [fails if: the entropies are taken at the sampling temperature]"""
+    from engine.decoder import Decoder
+    from engine.grpo_math import token_entropy
+
+    model = tiny()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)  # far from uniform: the entropy moves with the temperature
+    ids, mask = prompts()
+    dec = Decoder(model, "cpu", batch_size=2, cache_len=7 + 8)
+    dec.prefill(ids, mask)
+    hot = dec.logits / 1.5
+    torch.manual_seed(0)
+    toks, ents, lengths, _ = dec.continue_rows([0, 1], [8, 8], eos_id=-1, pad_id=0, temperature=1.5)
+    assert lengths.tolist() == [8, 8]
+    assert (token_entropy(hot) - ents[:, 0]).abs().min() > 0.05  # not vacuous: temperature 1.5 gives other values
+    for r in range(2):
+        real = mask[r] > 0
+        want = full_forward_entropy(model, ids[r][real], mask[r][real], toks[r].tolist())
+        torch.testing.assert_close(ents[r], want, rtol=0, atol=1e-4)
+
+
+def test_a_generate_that_fills_the_cache_to_its_last_slot_runs():
+    """width + max_new_tokens == cache_len fits (the last sampled token is never fed): GRPO's cache_len is the longest
+    prompt + max_new_tokens rounded up to 16, which can be exact. Greedy tokens equal transformers' generate.
+    [fails if: an exactly fitting generate is refused]"""
+    from engine.decoder import Decoder
+
+    model = tiny()
+    model.generation_config.eos_token_id = None
+    ids, mask = prompts()
+    dec = Decoder(model, "cpu", batch_size=2, cache_len=7 + 10)
+    got = dec.generate(ids, mask, 10, eos_id=-1, pad_id=0, temperature=0)
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    assert got.shape == want.shape == (2, 17) and torch.equal(got, want)
+
+
+def test_a_reused_decoder_samples_as_a_fresh_one():
+    """The persistent decoder after a generate of wider, left-padded prompts and a tree rollout (which hides the
+    response slots): a generate of narrower prompts samples the same tokens and log-probs as a fresh decoder.
+    [fails if: the (N, cache_len) mask is not reset past the prompt between calls]"""
+    from engine.decoder import Decoder
+
+    model = tiny_model()
+    ids, mask = torch.randint(3, 512, (2, 5)), torch.ones(2, 5, dtype=torch.long)
+    mask[1, :2] = 0
+    wide, wide_mask = torch.randint(3, 512, (2, 12)), torch.ones(2, 12, dtype=torch.long)
+    wide_mask[0, :6] = 0
+
+    def sampled(dec):
+        torch.manual_seed(5)
+        out = dec.generate(ids, mask, 8, eos_id=-1, pad_id=0, temperature=1.0)
+        return out, dec.last_logps
+
+    fresh = sampled(Decoder(model, "cpu", 2, 32))
+    used = Decoder(model, "cpu", 2, 32)
+    used.generate(wide, wide_mask, 8, eos_id=-1, pad_id=0, temperature=1.0)
+    used.prefill(ids, mask)
+    used.continue_rows([0, 1], [4, 4], eos_id=-1, pad_id=0)
+    again = sampled(used)
+    assert torch.equal(again[0], fresh[0])
+    torch.testing.assert_close(again[1], fresh[1], rtol=0, atol=1e-6)
+
+
+def test_rows_ending_at_different_eos_steps_decode_as_transformers_generate():
+    """Greedy with an EOS that one row emits at its third token and the other not: the same tokens as transformers'
+    generate, pad after the EOS, and decoding goes on until every row has ended.
+    [fails if: tokens after a row's EOS are kept, or decoding stops when the first row ends]"""
+    from engine.decoder import Decoder
+
+    model = tiny()
+    model.generation_config.eos_token_id = None
+    ids, mask = prompts()
+    dec = Decoder(model, "cpu", batch_size=3, cache_len=7 + 12)
+    free = dec.generate(ids, mask, 12, eos_id=-1, pad_id=0, temperature=0)
+    eos = int(free[1, 7 + 2])
+    assert eos not in free[0, 7:].tolist() and eos not in free[1, 7:9].tolist()  # row 0 never ends, row 1 at 3
+    got = dec.generate(ids, mask, 12, eos_id=eos, pad_id=0, temperature=0)
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                              eos_token_id=eos)
+    assert got.shape == want.shape == (2, 19) and torch.equal(got, want)
+    assert got[1, 10:].tolist() == [0] * 9
+
+
+def rollout_of(policy, eos: int, **kw):
+    from engine.rollout import DecoderRollout
+
+    tok = SimpleNamespace(pad_token_id=0, eos_token_id=eos)
+    return DecoderRollout(SimpleNamespace(module=policy, device=torch.device("cpu")), tok, batch_size=4, cache_len=32,
+                          **kw)
+
+
+def test_rollouts_of_more_rows_than_the_batch_keep_their_groups_log_probs_and_routes():
+    """DecoderRollout with 3 prompts x 3 samples on a batch of 4 rows: three turns (4, 4, 1 rows), the last ending at
+    its first token (a narrower turn). Each prompt's samples are consecutive rows; every response token's recorded
+    log-prob equals a plain forward's at its own position, and the recorded expert ids equal the model's own routing,
+    for every turn. [fails if: a turn takes another turn's prompt mask, samples are not grouped per prompt, or a
+    narrower turn's log-probs or routes are padded on the wrong side]"""
+    from deepspeed.runtime.rollout import RolloutRequest, SamplingConfig
+
+    policy = tiny_model()
+    g = torch.Generator().manual_seed(4)
+    ids, mask = torch.randint(3, 512, (3, 6), generator=g), torch.ones(3, 6, dtype=torch.long)
+    mask[0, :3] = 0  # three prompt masks, all different
+    mask[1, :1] = 0
+    request, sampling = RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=8, n_samples_per_prompt=3)
+    torch.manual_seed(0)
+    eos = int(rollout_of(policy, -1).generate(request, sampling).input_ids[8, 6])  # the last turn's first token
+    rollout = rollout_of(policy, eos, record_routes=True)
+    torch.manual_seed(0)
+    out = rollout.generate(request, sampling)
+    assert out.input_ids.shape == (9, 14) and out.input_ids[8, 6] == eos  # the third turn is one token wide
+    assert torch.equal(out.input_ids[:, :6], ids.repeat_interleave(3, 0))
+    assert torch.equal(out.attention_mask[:, :6], mask.repeat_interleave(3, 0))
+    attn, resp = out.attention_mask, out.attention_mask[:, 6:].bool()
+    assert rollout.last_logps.shape == (9, 8)
+    diff = (rollout.last_logps - plain_logps(policy, out.input_ids, attn, 6, 1.0)).abs()[resp]
+    assert diff.max() < 1e-4, diff.max()
+    assert rollout.last_routes.shape == (9, 14, 2, 2)
+    same = same_sets(rollout.last_routes.long(), model_routes(policy, out.input_ids, attn))[loss_positions(attn)]
+    assert same.all(), f"{(~same).sum()} of {same.numel()} choices differ"
+
+
+def test_min_new_tokens_holds_sampled_rollouts_and_not_greedy_ones():
+    """grpo.min_new_tokens on DecoderRollout, with a model that always prefers EOS: sampled rollouts write 3 tokens
+    and then EOS; greedy ones (evaluation) stop at the first token. [fails if: greedy rollouts get min_new_tokens]"""
+    from deepspeed.runtime.rollout import RolloutRequest, SamplingConfig
+
+    eos = 1
+    rollout = rollout_of(tiny_model(), eos, min_new_tokens=3)
+    rollout.sync_weights(0)
+    rollout.decoder.model.lm_head.register_forward_hook(
+        lambda mod, args, out: out.index_fill(-1, torch.tensor([eos]), 1e4))
+    request = RolloutRequest(torch.randint(3, 512, (2, 5)), torch.ones(2, 5, dtype=torch.long))
+    greedy = rollout.generate(request, SamplingConfig(max_new_tokens=6, temperature=0.0))
+    assert greedy.input_ids[:, 5:].tolist() == [[eos], [eos]]
+    sampled = rollout.generate(request, SamplingConfig(max_new_tokens=6, temperature=1.0)).input_ids[:, 5:]
+    assert sampled.shape == (2, 4) and (sampled[:, :3] != eos).all() and (sampled[:, 3] == eos).all()
+
+
+def test_the_response_attention_covers_each_response_up_to_its_first_eos():
+    """response_attention: the prompt's mask, then 1 up to and including the first EOS, 0 after (pad = EOS too).
+    [fails if: the EOS itself is left out of the mask]"""
+    from engine.rollout import response_attention
+
+    eos = 2
+    out = torch.tensor([[0, 7, 5, 2, 2, 2], [7, 7, 5, 6, 2, 9], [0, 7, 5, 6, 4, 3]])
+    prompt = torch.tensor([[0, 1], [1, 1], [0, 1]])
+    got = response_attention(out, prompt, 2, SimpleNamespace(eos_token_id=eos))
+    assert got.tolist() == [[0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1]]
