@@ -823,11 +823,26 @@ def metrics_row(run: Run, r: Rollouts, scores, reward, stats: dict, phases: dict
     return row
 
 
+def no_dropout(model: torch.nn.Module) -> None:
+    """Dropout off in the policy, which trains in training mode (activation checkpointing runs only there): the
+    old-log-prob, reference and policy passes must compute one function of the weights for the ratio and the KL."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        for name in ("attention_dropout", "dropout"):  # transformers' attention reads its rate from the module
+            if isinstance(getattr(m, name, None), float):
+                setattr(m, name, 0.0)
+    for name in ("attention_dropout", "hidden_dropout", "dropout"):
+        if isinstance(getattr(model.config, name, None), float):
+            setattr(model.config, name, 0.0)
+
+
 def setup(recipe: Recipe, ds: dict, tok, rewards, prompts, evals, world: World) -> Run:
     """The policy engine, the reference engine (beta > 0) and the rollout engine."""
     g = recipe.grpo
     torch.manual_seed(recipe.train.seed + world.rank)  # different samples on each rank
     model = build_model(recipe.model, ds, tok, dtype=model_dtype(ds), device=_build_device(ds))
+    no_dropout(model)
     if recipe.train.activation_checkpointing:  # as in pretraining; a replayed forward's recompute replays too
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     t = recipe.train  # one schedule step per optimizer step: `iterations` per GRPO step

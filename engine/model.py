@@ -82,6 +82,7 @@ def build_model(m: ModelConfig, ds_config: dict, tokenizer=None, dtype: torch.dt
     if m.init_from:
         model = AutoModelForCausalLM.from_pretrained(m.init_from, dtype=dtype,
                                                      attn_implementation=m.attn_implementation)
+        model.train()  # from_pretrained leaves it in eval mode, where activation checkpointing never runs
     else:
         with torch.device(device) if device else contextlib.nullcontext():
             model = AutoModelForCausalLM.from_config(hf_config or make_hf_config(m, tokenizer), dtype=dtype,

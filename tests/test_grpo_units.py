@@ -28,6 +28,28 @@ def tiny_model(dtype=torch.float32, attn="sdpa", seed=0):
     return model.eval()
 
 
+def test_a_loaded_model_trains_in_training_mode_and_grpo_turns_its_dropout_off(tmp_path):
+    """build_model with model.init_from (from_pretrained, which leaves a model in eval mode) returns it in training
+    mode, as a new model is: activation checkpointing runs only there. GRPO's policy then has no dropout, so its
+    passes compute one function: with attention dropout 0.5 two training-mode forwards differ, after no_dropout they
+    are equal. [fails if: a loaded model stays in eval mode (train.activation_checkpointing silently off), or
+    no_dropout leaves the attention's rate]"""
+    from engine.config import ModelConfig
+    from engine.grpo import no_dropout
+    from engine.model import build_model
+
+    src = tiny_model()
+    src.config.attention_dropout = 0.5
+    src.save_pretrained(tmp_path / "hf")
+    model = build_model(ModelConfig(init_from=str(tmp_path / "hf")), {"zero_optimization": {"stage": 0}})
+    assert model.training and all(m.training for m in model.modules())
+    ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert not torch.equal(model(ids).logits, model(ids).logits)  # dropout is there to be turned off
+        no_dropout(model)
+        assert model.training and torch.equal(model(ids).logits, model(ids).logits)
+
+
 def test_forward_logps_are_those_of_the_sampling_distribution():
     from engine.grpo import forward_logps
     from engine.head import install

@@ -61,7 +61,8 @@ def main() -> None:
     run = grpo.setup(recipe, ds, tok, rewards, prompts, evals, world)
     policy, router = run.policy, run.router
     info = {"rank": world.rank, "world": world.size, "ep_size": router.layers[0].ep_size,
-            "checkpointing": bool(getattr(policy.module, "is_gradient_checkpointing", False))}
+            "checkpointing": bool(getattr(policy.module, "is_gradient_checkpointing", False))  # and it runs: the
+            and all(m.training for m in policy.module.modules() if getattr(m, "gradient_checkpointing", False))}
 
     torch.manual_seed(0)  # the same rollouts on every rank
     run.rollout.sync_weights(0)
