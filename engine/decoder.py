@@ -619,8 +619,9 @@ class Decoder:
 
     def last_routes(self, n: int, width: int) -> torch.Tensor:
         """(n, width, L, k) expert ids of the last generate call's first `width` tokens (prompt + response): every
-        prompt token and every response token fed back (a row's last sampled token never is: its slot holds 0s,
-        and its routing decides no log-prob). A copy: the next generate call reuses the buffer."""
+        prompt token and every response token fed back. A row's last sampled token decides no log-prob: its slot
+        holds 0s where the call ended on it, or the ids of it fed back beside rows still running. A copy: the next
+        generate call reuses the buffer (zeroed at each prefill)."""
         return self.routes[:n, :width].clone()
 
     def _prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_visible: bool):
