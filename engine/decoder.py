@@ -466,8 +466,8 @@ class Decoder:
         # logits="fp32" (the default): on CUDA the logits as the trainer computes them, a bf16 GEMM with an fp32
         # result. Rounded to bf16 first (transformers' lm_head, "bf16"), a logit near 30 moves by up to 1/16: at
         # temperature 0.7 the sampled tokens' log-probs moved by 0.021 on average against the trainer's (CPU
-        # emulation), a mismatch rollout correction then sees. The decode step is no slower with it (H100: 3.34 ms
-        # against 3.36-3.41, bin/decode_bench.py --logits). Elsewhere (CPU, fp32 models) the same values.
+        # emulation), a mismatch rollout correction then sees. The decode step is no slower with it (docs/benchmarks.md,
+        # bin/decode_bench.py --logits). Elsewhere (CPU, fp32 models) the same values.
         if logits not in ("bf16", "fp32"):
             raise ValueError(f"rollout decoder: logits {logits!r} is not bf16 or fp32")
         self.lm_head_mm32 = (logits == "fp32" and torch.device(device).type == "cuda" and model.lm_head.bias is None

@@ -303,9 +303,8 @@ def test_the_compiled_decoder_on_cuda_matches_generate_and_the_eager_decoder(att
 def test_the_decoders_logits_on_cuda_are_the_trainers_fp32_product_not_bf16_logits(compile):
     """With logits="fp32", on CUDA a bf16 model's rollout logits come from the output layer's GEMM with an fp32
     result, as the trainer's log-probs (engine/head.py), not from bf16 logits upcast (a logit near 30 would move by up
-    to 1/16): the prefill
-    (eager) and a decode step (compiled and CUDA-graphed with compile) alike, close to fp32 logits of the same
-    hidden states."""
+    to 1/16): the prefill (eager) and a decode step (compiled and CUDA-graphed with compile) alike, close to fp32
+    logits of the same hidden states."""
     from transformers import AutoModelForCausalLM
 
     from engine.config import ModelConfig
