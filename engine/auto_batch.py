@@ -36,6 +36,12 @@ USABLE_FRACTION = 0.90  # of the device memory (x --memory_fraction): the alloca
 MARGIN_GIB = 1.0  # on top of that: the CUDA context and what the model does not count
 CPU_MICRO, CPU_ACCUM = 8, 1  # the CPU: small and fixed, as zero3.json shipped (the tiny default stays quick)
 GRPO_CPU_MICRO = 16  # GRPO on the CPU: its rows are short (prompt + completion), so 16 rows of them (the demo: 16 x 4)
+# GRPO's train.activation_checkpointing "auto" (GRPOAutoBatch): on where, without it, a micro-batch would hold fewer
+# than CKPT_BELOW_TOKENS tokens and with it at least CKPT_ROWS_GAIN times the rows. One H100 80GB, grpo_2b6 at
+# vocabulary 129,280, rows of 272 tokens: 8 -> 64 rows (zero3_grpo.json) 3.47 -> 1.52 s a step, 4 -> 32 (zero2_grpo.json)
+# 3.92 -> 1.67 s (docs/benchmarks.md); an H200 fits all 64 rows without it, where it would only add the recompute.
+CKPT_BELOW_TOKENS = 4096
+CKPT_ROWS_GAIN = 4
 SEQUENCES_PER_STEP = 64  # default accumulation target on accelerators: 64 x seq_len tokens per step per GPU
 
 # Calibration (one H200, seq_len 2048, deepseek_2b6: 2,590,255,104 parameters, hidden 2048, 12 layers; the rows are
@@ -230,11 +236,19 @@ def per_sample_gib(cfg: dict, recipe: Recipe, device: str) -> float:
     m, seq = recipe.model, recipe.data.seq_len
     act = ACT[family(cfg, recipe, device)] * max(1.0, moe_width(m) / CALIBRATED_MOE_WIDTH)
     act += EP_EXTRA_PER_K * m.experts_per_token if _ep(cfg) > 1 else 0.0
-    per_token_hidden = (m.num_layers * CKPT + act) if recipe.train.activation_checkpointing else m.num_layers * act
+    ckpt = recipe.train.activation_checkpointing is True  # "auto" is resolved before (GRPOAutoBatch); else off
+    per_token_hidden = (m.num_layers * CKPT + act) if ckpt else m.num_layers * act
     gdn_layers, value_width = linear_attention(m)
     gdn = max(0.0, GDN_BYTES_PER_VALUE * value_width - CALIBRATED_ATTN_BYTES * m.hidden_size)  # bytes per token
-    gdn *= min(gdn_layers, 1) if recipe.train.activation_checkpointing else gdn_layers
+    gdn *= min(gdn_layers, 1) if ckpt else gdn_layers
     return seq * (m.hidden_size * per_token_hidden + gdn) / GIB
+
+
+def checkpointing(recipe: Recipe, on: bool) -> Recipe:
+    """`recipe` with train.activation_checkpointing set to `on`."""
+    from dataclasses import replace
+
+    return replace(recipe, train=replace(recipe.train, activation_checkpointing=on))
 
 
 def predict_peak_gib(cfg: dict, recipe: Recipe, dp: int, micro: int, device: str = "cuda") -> float:
@@ -433,6 +447,7 @@ class GRPOAutoBatch(AutoBatch):
     seq_len: int = 1
     extra_gib: float = 0.0
     what: str = ""  # how `sequences` was set, for the batch line
+    checkpointing: bool = False  # train.activation_checkpointing as resolved (pick_micro): what the policy runs with
 
     def candidates(self) -> tuple[int, ...]:
         """Powers of 2 dividing the rollout batch, up to the tokens of pretraining's largest candidate (32 rows of
@@ -460,10 +475,34 @@ class GRPOAutoBatch(AutoBatch):
         return f", the reference policy and the rollout decoder {self.extra_gib:.1f} GiB"
 
     def pick_micro(self, cfg: dict, recipe: Recipe, dp: int, device: str) -> tuple[int, str, str | None]:
-        micro, why, problem = super().pick_micro(cfg, recipe, dp, device)
-        if not problem and device != "cpu" and self.memory_gib is not None:
+        """As AutoBatch's; with train.activation_checkpointing "auto", also whether to checkpoint (`checkpointing`)."""
+        ckpt = recipe.train.activation_checkpointing
+        self.checkpointing = ckpt is True
+        micro, why, problem = super().pick_micro(cfg, checkpointing(recipe, ckpt is True), dp, device)
+        measured = device != "cpu" and self.memory_gib is not None
+        if ckpt == "auto" and measured:
+            on, why_on, problem_on = super().pick_micro(cfg, checkpointing(recipe, True), dp, device)
+            few = problem or (micro * self.seq_len < CKPT_BELOW_TOKENS
+                              and on >= CKPT_ROWS_GAIN * micro)
+            if few and not problem_on:
+                without = "nothing fits" if problem else f"{micro} row{'s' if micro > 1 else ''}"
+                self.checkpointing, micro, problem = True, on, None
+                why = f"{why_on}; activation checkpointing on (\"auto\": {without} without it)"
+        if not problem and measured:
             why = f"rows of up to {self.seq_len} tokens, {why} (the reference and the decoder {self.extra_gib:.1f} GiB)"
         return micro, why, problem
+
+    def resolve(self, cfg: dict, recipe: Recipe, dp: int, device: str) -> list[str]:
+        """As AutoBatch's; on a --resume whose checkpoint recorded the micro-batch, "auto" checkpointing is on where
+        that micro-batch does not fit without it."""
+        problems = super().resolve(cfg, recipe, dp, device)
+        rec = (self.recorded or {}).get("micro_batch")
+        if (not problems and rec is not None and recipe.train.activation_checkpointing == "auto"
+                and device != "cpu" and self.memory_gib is not None):
+            usable = USABLE_FRACTION * self.memory_gib - MARGIN_GIB
+            self.checkpointing = self.peak_gib(cfg, checkpointing(recipe, False), dp, rec, device) > usable
+            self.note += f"; activation checkpointing {'on' if self.checkpointing else 'off'} at micro-batch {rec}"
+        return problems
 
     def pick_accum(self, recipe: Recipe, micro: int, device: str) -> tuple[int, str]:
         return max(1, self.sequences // micro), f"{self.sequences} sequences per step per GPU ({self.what}) / {micro}"

@@ -108,8 +108,10 @@ class TrainConfig:
     log_every: int = 10
     balance_rate: float = 0.0
     """Aux-loss-free balancing (DeepSeek-V3): per-step update of each expert's routing bias. 0 = off."""
-    activation_checkpointing: bool = False
-    """Recompute each decoder layer's activations in backward: about 1/3 more compute, far less memory."""
+    activation_checkpointing: bool | str = "auto"
+    """Recompute each decoder layer's activations in backward: about 1/3 more compute, far less memory. auto: off in
+    pretraining; in GRPO with a DS config's "auto" batch, on where it lets a micro-batch hold at least 4 times the rows
+    and without it a micro-batch would hold fewer than 4096 tokens (or nothing would fit) (engine/auto_batch.py)."""
     tokens_per_step_per_gpu: int | None = None
     """Target tokens per optimizer step per data-parallel rank, for a DS config's gradient_accumulation_steps "auto"
     (accumulation = this / (micro-batch x data.seq_len), rounded, at least 1). Unset: 64 x data.seq_len on an
@@ -559,6 +561,8 @@ def validate(r: Recipe) -> list[str]:
         p.append(f"train.stochastic_rounding: {t.stochastic_rounding!r} is not one of true, false, auto")
     if t.compile not in (True, False, "auto"):
         p.append(f"train.compile: {t.compile!r} is not one of true, false, auto")
+    if t.activation_checkpointing not in (True, False, "auto"):
+        p.append(f"train.activation_checkpointing: {t.activation_checkpointing!r} is not one of true, false, auto")
     if t.balance_rate < 0:
         p.append(f"train.balance_rate: must be >= 0, got {t.balance_rate}")
     if t.balance_rate > 0 and m.arch != "deepseek_v3":

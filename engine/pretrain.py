@@ -181,7 +181,7 @@ def build(recipe: Recipe, ds: dict, tok, world: World):
     data = build_data(recipe.data, tok, dp_rank, dp_size, recipe.data_seed())
     if pipeline.is_pipeline(ds):
         model = pipeline.build_pipeline(recipe.model, ds, tok, dtype=model_dtype(ds), seed=recipe.train.seed,
-                                        activation_checkpointing=recipe.train.activation_checkpointing)
+                                        activation_checkpointing=recipe.train.activation_checkpointing is True)
     else:
         from deepspeed.accelerator import get_accelerator
 
@@ -190,7 +190,7 @@ def build(recipe: Recipe, ds: dict, tok, world: World):
         kind = get_accelerator().device_name()
         if recipe.train.fp8:
             names = fp8_convert(model, recipe.train.fp8, kind)
-        if recipe.train.activation_checkpointing:
+        if recipe.train.activation_checkpointing is True:  # "auto": off in pretraining (measured for GRPO only)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine = build_engine(model, ds, recipe.train)
     if recipe.train.fp8:  # the routed experts exist once deepspeed.initialize has swapped in AutoEP's layers

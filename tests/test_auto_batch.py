@@ -410,8 +410,11 @@ def test_grpo_auto_picks_what_ran_and_covers_its_peaks_on_one_gpu():
     129,280, 64 sequences per step, beta 0.04): 8 prompts x G 8 x 256 new tokens ran 64 x 1 under zero3.json and
     zero2.json; 16 x G 4 x 1024 ran 32 x 2 (zero3.json) and 16 x 4 (zero2.json: 32 predicted over the usable 124.8).
     The model, sized for this device, picks those micro-batches, and predicts at least each measured peak (by at most
-    13 GiB more: 121.6 against 108.9 for the long rows under ZeRO-3)."""
+    13 GiB more: 121.6 against 108.9 for the long rows under ZeRO-3). One H100 80GB (79.2 GiB), the _grpo files,
+    activation checkpointing "auto" (docs/bench/grpo_speed/h100_1205_ac/): on, 64 x 1 / 32 x 2 for 256 new tokens
+    (zero3_grpo / zero2_grpo) and 16 x 4 / 8 x 8 for 1024, each peak predicted 2.5-3.3 GiB above the measured one."""
     from engine import grpo
+    from engine.auto_batch import checkpointing
     from engine.data import load_tokenizer
     from engine.model import make_hf_config
     from engine.parallel import World
@@ -420,21 +423,26 @@ def test_grpo_auto_picks_what_ran_and_covers_its_peaks_on_one_gpu():
     tok = load_tokenizer(load_recipe(RECIPES / "grpo_2b6.yaml").data.tokenizer)
     rows = [{"n_tokens": len(tok(json.loads(line)["prompt"])["input_ids"])}
             for line in open(ROOT / "engine" / "assets" / "arith_train.jsonl")]
-    cases = [("h200_1204_s256/engine_zero3_metrics.jsonl", "zero3", 8, 256, 64),
-             ("h200_1204_s256/engine_zero2_metrics.jsonl", "zero2", 8, 256, 64),
-             ("h200_1204_long/engine_zero3_metrics.jsonl", "zero3", 4, 1024, 32),
-             ("h200_1204_long/engine_zero2_metrics.jsonl", "zero2", 4, 1024, 16)]
-    for path, ds_name, group, new_tokens, micro_ran in cases:
+    h200, h100 = 139.8, 79.2  # GiB, as device_memory_gib gave them on the machines
+    cases = [("h200_1204_s256/engine_zero3_metrics.jsonl", "zero3", 8, 256, 64, h200, False),
+             ("h200_1204_s256/engine_zero2_metrics.jsonl", "zero2", 8, 256, 64, h200, False),
+             ("h200_1204_long/engine_zero3_metrics.jsonl", "zero3", 4, 1024, 32, h200, False),
+             ("h200_1204_long/engine_zero2_metrics.jsonl", "zero2", 4, 1024, 16, h200, False),
+             ("h100_1205_ac/g/engine_zero3_grpo_metrics.jsonl", "zero3_grpo", 8, 256, 64, h100, True),
+             ("h100_1205_ac/g/engine_zero2_grpo_metrics.jsonl", "zero2_grpo", 8, 256, 32, h100, True),
+             ("h100_1205_ac/long/engine_zero3_grpo_metrics.jsonl", "zero3_grpo", 4, 1024, 16, h100, True),
+             ("h100_1205_ac/long2/engine_zero2_grpo_metrics.jsonl", "zero2_grpo", 4, 1024, 8, h100, True)]
+    for path, ds_name, group, new_tokens, micro_ran, memory, ckpt in cases:
         measured = max(json.loads(line)["peak_mem_gib"] for line in open(bench / path))
         r = load_recipe(RECIPES / "grpo_2b6.yaml", {"grpo.beta": 0.04, "grpo.group_size": group,
                                                     "grpo.max_new_tokens": new_tokens})
         raw = read_ds_config(ROOT / "ds_configs" / f"{ds_name}.json")
         auto = grpo.grpo_auto_batch((64, f"{64 // group} x {group}"), raw, r, make_hf_config(r.model, tok), rows,
                                     World(0, 1, 1))
-        auto.memory_gib = 139.8
+        auto.memory_gib = memory
         micro, _, problem = auto.pick_micro(raw, auto.memory_recipe, 1, "cuda")
-        assert problem is None and micro == micro_ran, (path, micro, problem)
-        predicted = auto.peak_gib(raw, auto.memory_recipe, 1, micro, "cuda")
+        assert problem is None and micro == micro_ran and auto.checkpointing is ckpt, (path, micro, problem)
+        predicted = auto.peak_gib(raw, checkpointing(auto.memory_recipe, ckpt), 1, micro, "cuda")
         assert measured <= predicted <= measured + 13.0, (path, measured, predicted)
 
 
@@ -460,6 +468,45 @@ def test_grpo_auto_divides_the_rollout_batch():
     problems = full.resolve(dict(cfg), tiny, 1, "cuda")
     assert len(problems) == 1 and "nothing fits this device" in problems[0]
     assert "the reference policy and the rollout decoder 200.0 GiB" in problems[0], problems[0]
+
+
+def test_grpo_auto_checkpointing_follows_the_rows_a_micro_batch_holds():
+    """GRPOAutoBatch with train.activation_checkpointing "auto": checkpointing on where without it a micro-batch would
+    hold fewer than 4096 tokens and with it at least 4 times the rows, or where nothing fits without it; an explicit
+    true or false is kept; on a --resume the checkpoint's micro-batch decides (on where it does not fit without).
+    grpo_2b6 at its 129,280 vocabulary with the reference and decoder beside it (11.8 / 12.5 GiB, as measured on the
+    H100). [fails if: the token or rows rule is dropped or inverted, "nothing fits" without it is refused though it
+    fits with it, an explicit value is overridden, or a resume keeps the fresh decision for another micro-batch]"""
+    from engine.auto_batch import GRPOAutoBatch, checkpointing
+
+    r = load_recipe(RECIPES / "grpo_2b6.yaml")
+    assert r.train.activation_checkpointing == "auto"
+    z3 = read_ds_config(ROOT / "ds_configs" / "zero3_grpo.json")
+
+    def pick(memory, seq_len, recipe=r, recorded=None, extra=None, sequences=64):
+        a = GRPOAutoBatch(memory_gib=memory, sequences=sequences, seq_len=seq_len, what="test", recorded=recorded,
+                          extra_gib=extra if extra is not None else (11.8 if seq_len < 1000 else 12.5))
+        c = dict(z3)
+        assert a.resolve(c, recipe, 1, "cuda") == []
+        return c["train_micro_batch_size_per_gpu"], a.checkpointing, a.note
+
+    assert pick(79.2, 272)[:2] == (64, True) and "on (\"auto\": 8 rows without it)" in pick(79.2, 272)[2]
+    assert pick(79.2, 1040)[:2] == (16, True)    # 2 rows of 1040 tokens without it
+    assert pick(139.8, 272)[:2] == (64, False)   # all rows fit without it
+    assert pick(139.8, 1040)[:2] == (32, False)  # 32 x 1040 tokens: large enough, the recompute would cost
+    assert pick(100.0, 1024)[:2] == (8, False)   # 8 x 1024 tokens without it: enough, though 64 rows fit with it
+    assert pick(79.2, 512, sequences=8)[:2] == (4, False)  # 4 x 512 tokens, but with it only 2x the rows (8)
+    assert pick(139.8, 272, checkpointing(r, True))[:2] == (64, True)
+    assert pick(79.2, 272, checkpointing(r, False))[:2] == (8, False)
+    # a device where no row fits without it, but rows fit with it
+    a = GRPOAutoBatch(memory_gib=79.2, sequences=64, seq_len=8192, extra_gib=10.0, what="test")
+    assert a.resolve(dict(z3), checkpointing(r, False), 1, "cuda") != []
+    micro, on, note = pick(79.2, 8192, extra=10.0)
+    assert (micro, on) == (4, True) and "nothing fits without it" in note
+    # --resume: the checkpoint's micro-batch, with checkpointing where it needs it
+    assert pick(79.2, 272, recorded={"micro_batch": 64, "grad_accum": 1})[:2] == (64, True)
+    micro, on, note = pick(79.2, 272, recorded={"micro_batch": 8, "grad_accum": 8})
+    assert (micro, on) == (8, False) and note.endswith("activation checkpointing off at micro-batch 8")
 
 
 def test_optimizer_offload_beyond_the_hosts_memory_is_one_line(monkeypatch, capfd, tmp_path):

@@ -461,3 +461,48 @@ def test_policy_update_on_two_ranks_gives_each_aggregations_whole_batch_loss(tmp
         assert g["grad_err"] <= 1e-5 * g["grad_max"] and g["grad_max"] > 1e-3, (aggregation, g)
         # the row's statistics are token means over both ranks (micro-batches of 12, 11, 3, 4 response tokens)
         assert abs(g["entropy"] - g["want_entropy"]) <= 1e-6 * g["want_entropy"], (aggregation, g)
+
+
+@pytest.mark.parametrize("memory, ds, expect", [
+    (79.2, "zero3_grpo", (64, 1, True)),   # one H100 80GB: 8 rows of 272 tokens without it (measured 3.47 -> 1.52 s)
+    (79.2, "zero2_grpo", (32, 2, True)),   # 4 rows without it (measured 3.92 -> 1.67 s)
+    (139.8, "zero3_grpo", (64, 1, False)),  # one H200: the whole rollout batch fits without it
+    (None, "zero3_grpo", (16, 4, False)),  # the CPU: no device memory to fit, off
+])
+def test_grpo_resolves_auto_checkpointing_with_the_batch(tmp_path, monkeypatch, memory, ds, expect):
+    """train.activation_checkpointing "auto" (the default) in GRPO: preflight hands setup a recipe whose checkpointing
+    is true or false, decided with the "auto" micro-batch: on where without it a micro-batch of grpo_2b6's rows of 272
+    tokens holds a few rows and with it 8 times more, off where everything fits without it, on the CPU, or with the
+    DS config's own batch numbers; an explicit false keeps it off at the smaller micro-batch. [fails if: the resolved
+    value is not passed on to setup ("auto" reaching gradient_checkpointing_enable's truthiness check, or false after
+    choosing a micro-batch that only fits with it; "auto" left as it is with the file's batch numbers), or the rule
+    turns it on where it buys nothing]"""
+    import engine.auto_batch as ab
+    import engine.grpo as grpo
+    from engine.parallel import World
+
+    class Props:
+        total_memory = 80 * 2**30
+    if memory is not None:
+        monkeypatch.setattr(grpo, "device_kind", lambda: "cuda")
+        monkeypatch.setattr(ab, "device_memory_gib", lambda device, fraction=None: memory)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: Props)
+    recipe = (ROOT / "engine" / "recipes" / "grpo_2b6.yaml").read_text().replace("engine/assets/", f"{ASSETS}/")
+    (tmp_path / "r.yaml").write_text(recipe.replace("grpo:\n", "grpo:\n  allow_random_init: true\n"))
+
+    def run(ds_file):
+        args = grpo.parse_args(["--deepspeed_config", str(ds_file), "--config", str(tmp_path / "r.yaml"), "--run_dir",
+                                str(tmp_path / "run")])
+        r, cfg = grpo.preflight(args, World(rank=0, size=1, local_size=1))[:2]
+        return cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"], r.train.activation_checkpointing
+
+    shipped = ROOT / "ds_configs" / f"{ds}.json"
+    assert run(shipped) == expect
+    numbers = {**json.loads(shipped.read_text()), "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 8}
+    (tmp_path / "numbers.json").write_text(json.dumps(numbers))
+    assert run(tmp_path / "numbers.json") == (8, 8, False)  # the file's batch: nothing decides, off
+    if expect[2]:
+        (tmp_path / "r.yaml").write_text((tmp_path / "r.yaml").read_text().replace(
+            "train:\n", "train:\n  activation_checkpointing: false\n"))
+        micro, accum, on = run(shipped)
+        assert on is False and micro * 8 == expect[0] and micro * accum == 64

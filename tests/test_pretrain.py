@@ -267,6 +267,22 @@ def test_compiled_model_leaves_only_autoep_eager_and_matches_eager(tmp_path):
     assert abs(compiled - eager) < 1e-2, (compiled, eager)
 
 
+@pytest.mark.parametrize("value, on", [("auto", False), (True, True), (False, False)])
+def test_pretraining_checkpoints_activations_only_when_asked(tmp_path, value, on):
+    """train.activation_checkpointing in pretraining: true checkpoints each decoder layer; the default "auto" is off
+    there (GRPO decides it with its micro-batch). [fails if: "auto" is read as true, or true is ignored]"""
+    from engine.data import load_tokenizer
+    from engine.parallel import init_distributed, world_from_env
+    from engine.pretrain import build
+
+    r = load_recipe(None, {"train.activation_checkpointing": value, "run_dir": str(tmp_path)})
+    ds = resolve_ds_config(read_ds_config(ROOT / "ds_configs" / "zero2.json"), r, world_size=1, ranks_per_node=1,
+                           auto_batch=AutoBatch())
+    init_distributed()
+    engine, _ = build(r, ds, load_tokenizer(r.data.tokenizer), world_from_env())
+    assert engine.module.is_gradient_checkpointing is on
+
+
 def test_shipped_recipes_find_their_bundled_data_from_any_directory(tmp_path, monkeypatch):
     """The shipped GRPO recipes name their prompts as `engine/assets/...` (from the checkout's root); from another
     working directory, as with an installed engine (`pip install .`), they still load and point at the bundled files,
