@@ -1,0 +1,605 @@
+"""Unit checks of engine/rewards.py's parsers and spec checks, engine/devprof.py's aggregation, engine/model.py's
+recipe -> transformers config mapping, and engine/pretrain.py's preflight edges and small helpers (fakes in place
+of torch.distributed and the DeepSpeed engine). Each pins a behaviour a small change to the code would break."""
+import resource
+import socket
+from fractions import Fraction
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+
+from conftest import ROOT, ZERO3, write_ds
+
+from engine.config import RECIPES, ConfigError, ModelConfig
+from engine.devprof import idle_report
+from engine.rewards import build_rewards, numeric
+
+TINY = (RECIPES / "tiny.yaml").read_text()
+
+
+# ---------------------------------------------------------------- rewards
+
+
+def test_numeric_reads_thousands_separators_and_fraction_answers():
+    """A number written with thousands separators is one number (1,234,567.5), commas that do not group by three
+    split numbers ("12,34" is 12 then 34), a tolerance of 0 accepts an exact match, and a fractions.Fraction answer
+    is taken as its value, not as the text "1/2". [fails if: the comma grouping is dropped from the number pattern,
+    or a numbers.Real answer goes through str() and its last number]"""
+    assert numeric("p", "paid 1,234,567.5 in total", 1234567.5) == 1.0
+    assert numeric("p", "paid 1,234,567.5 in total", 567.5) == 0.0
+    assert numeric("p", "12,34", 34, which="last") == 1.0 and numeric("p", "12,34", 12, which="first") == 1.0
+    assert numeric("p", "5", 5, tolerance=0) == 1.0
+    assert numeric("p", "x = 0.5", Fraction(1, 2)) == 1.0
+
+
+def test_reward_spec_values_are_checked_at_build_time():
+    """Built-in parameters with wrong values are refused in the one ConfigError: numeric's `which` must be first or
+    last, regex's pattern must be a string, length_penalty's target a non-negative int; a weight that is a bool or
+    not finite and an empty label are refused too. A target of 0 is valid. [fails if: the `which` check, the
+    pattern's string check, the target check (or its `< 0` made `<= 0`), bool exclusion, the finite-weight check or
+    the empty-label check is dropped]"""
+    specs = [{"name": "numeric", "which": "middle"},
+             {"name": "regex", "pattern": 5},
+             {"name": "length_penalty", "target": -1},
+             {"name": "length_penalty", "target": "10", "label": "lp2"},
+             {"name": "exact_match", "weight": True},
+             {"name": "exact_match", "weight": float("inf"), "label": "em2"},
+             {"name": "exact_match", "label": ""}]
+    with pytest.raises(ConfigError) as e:
+        build_rewards(specs)
+    msg = str(e.value)
+    for expected in ("rewards[0].which: must be 'first' or 'last', got 'middle'",
+                     "rewards[1].pattern: must be a string, got 5",
+                     "rewards[2].target: must be an integer >= 0 (characters), got -1",
+                     "rewards[3].target: must be an integer >= 0 (characters), got '10'",
+                     "rewards[4].weight: must be a finite number, got True",
+                     "rewards[5].weight: must be a finite number, got inf",
+                     "rewards[6].label: must be a non-empty string, got ''"):
+        assert expected in msg, (expected, msg)
+    rs = build_rewards([{"name": "length_penalty", "target": 0, "scale": 0.5},
+                        {"name": "numeric", "which": "first", "tolerance": 0}])
+    assert rs.score(["p"], ["abcd"], [4]).total.tolist() == [-2.0 + 0.0]  # 4 chars over 0 x 0.5; "abcd" no number
+
+
+def test_user_module_problems_name_the_module_and_the_function(tmp_path, monkeypatch):
+    """A user module that raises any error while importing is reported as "cannot import" with the error, and a
+    module attribute that is not callable (math.pi) as "has no function". [fails if: only ImportError is caught
+    (the RuntimeError escapes), or `callable` is weakened to `is not None`]"""
+    (tmp_path / "boom_rewards.py").write_text("raise RuntimeError('no GPU here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as e:
+        build_rewards([{"name": "boom_rewards:f"}, {"name": "math:pi"}])
+    msg = str(e.value)
+    assert "rewards[0].name: cannot import module 'boom_rewards' (RuntimeError: no GPU here)" in msg, msg
+    assert "rewards[1].name: module 'math' has no function 'pi'" in msg, msg
+
+
+def test_a_reward_returning_a_tensor_or_decimal_scores_its_value(tmp_path, monkeypatch):
+    """A reward may return anything float() takes (a 0-dim tensor, a Decimal): scored as that value, not counted as a
+    failure. [fails if: only numbers.Real results are accepted]"""
+    (tmp_path / "typed_rewards.py").write_text(
+        "import torch\nfrom decimal import Decimal\n"
+        "def as_tensor(prompt, completion, answer):\n    return torch.tensor(0.5)\n"
+        "def as_decimal(prompt, completion, answer):\n    return Decimal('0.25')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    s = build_rewards([{"name": "typed_rewards:as_tensor", "label": "t"},
+                       {"name": "typed_rewards:as_decimal", "label": "d", "weight": 2.0}]).score(["p"], ["c"], [None])
+    assert s.failures == {"t": 0, "d": 0} and s.first_error == {}
+    assert s.per_reward["t"].tolist() == [0.5] and s.per_reward["d"].tolist() == [0.25]
+    assert s.total.tolist() == [1.0]  # 0.5 + 2 x 0.25
+
+
+def test_score_refuses_fewer_answers_than_completions():
+    """score() raises on any length mismatch, answers included, instead of zip silently scoring fewer samples.
+    [fails if: the answers' length is not compared]"""
+    rs = build_rewards([{"name": "exact_match"}])
+    with pytest.raises(ValueError, match="3 prompts, 3 completions and 2 answers"):
+        rs.score(["a", "b", "c"], ["a", "b", "c"], ["a", "b"])
+
+
+# ---------------------------------------------------------------- devprof
+
+CPU, CUDA = NS(name="CPU"), NS(name="CUDA")
+
+
+def ev(id, name, start, end, device=CPU, thread=1, parent=None, corr=0):
+    return NS(id=id, name=name, time_range=NS(start=start, end=end), device_type=device, thread=thread,
+              cpu_parent=parent, linked_correlation_id=corr)
+
+
+def section(out: str, title: str) -> list[str]:
+    """The rows of the report's section whose header line contains `title` (after its column header line)."""
+    lines = out.splitlines()
+    i = next(i for i, l in enumerate(lines) if title in l)
+    rows = []
+    for line in lines[i + 2:]:
+        if not line.strip():
+            break
+        rows.append(line)
+    return rows
+
+
+def test_busy_time_is_the_union_of_overlapping_kernels():
+    """Kernels that overlap (another stream) or touch are one busy stretch: 100-400 with 150-200 inside it and
+    400-450 right after is 350 us busy, 0 idle, 3 kernels; touching kernels leave no idle gap even at
+    min_gap_us 0. [fails if: merging takes the later span's end instead of the max (busy 150), busy sums the
+    kernels unmerged (400), or touching spans are not merged (a 0 us gap listed)]"""
+    a = ev(1, "phase.a", 0, 1000)
+    op = ev(2, "aten::mm", 10, 20, parent=a)
+    ks = [ev(11, "gemm", 100, 400, device=CUDA, corr=2), ev(12, "small", 150, 200, device=CUDA, corr=2),
+          ev(13, "tail", 400, 450, device=CUDA, corr=2)]
+    out = idle_report([a, op, *ks], ("phase.a",), min_gap_us=0)
+    assert section(out, "device busy by phase")[0].split() == ["phase.a", "0.35", "0.35", "0.00", "3"]
+    assert section(out, "device idle gaps") == [] and "0.00 ms in all" in out
+
+
+def test_a_gap_is_charged_to_the_innermost_running_operator_up_to_its_grandparent():
+    """At the gap's middle (280 us) the latest-starting host event ("brief", 20-30) has ended: the gap goes to the
+    innermost one still running ("op", 10-800), named with two enclosing operators and no more (not "root").
+    [fails if: the scan back from the latest-starting event stops after one event ("(no host operator)"), or the
+    chain's depth is not 3]"""
+    root = ev(1, "root", 0, 2000)
+    step = ev(2, "step", 1, 1000, parent=root)
+    fwd = ev(3, "fwd", 5, 900, parent=step)
+    op = ev(4, "op", 10, 800, parent=fwd)
+    brief = ev(5, "brief", 20, 30, parent=op)
+    late = ev(6, "late", 450, 460, parent=op)
+    k1 = ev(11, "k1", 50, 60, device=CUDA, corr=5)
+    k2 = ev(12, "k2", 500, 510, device=CUDA, corr=6)
+    out = idle_report([root, step, fwd, op, brief, late, k1, k2], ("root",), min_gap_us=20)
+    gaps = section(out, "device idle gaps")
+    assert len(gaps) == 1 and gaps[0].split()[:2] == ["0.44", "1"], out
+    assert gaps[0].endswith("root: op < fwd < step"), gaps
+
+
+def test_phases_and_rows_are_ordered_by_time_and_an_operator_after_its_phase_is_outside_it():
+    """Phases are listed in the order of their first kernel (z.first, -, a.second: not alphabetically) in both
+    tables; a phase's kernels by device time, largest first; the gaps by idle time, largest first. An operator
+    starting after its phase's span ended (110 us, z.first is 0-100) is outside any phase ("-"), even when the
+    annotation's span drawn on the device (20-120) covers it. [fails if: either table is sorted by name, the kernel
+    or gap rows ascending, the phase's end is not checked, or device-side annotation spans count as phases]"""
+    z = ev(1, "z.first", 0, 100)
+    a = ev(2, "a.second", 200, 400)
+    drawn = ev(3, "z.first", 20, 120, device=CUDA)
+    drawn.is_user_annotation = True
+    op1 = ev(4, "aten::small_and_big", 10, 12, parent=z)
+    op3 = ev(5, "aten::between", 110, 112)
+    op2 = ev(6, "aten::late", 210, 212, parent=a)
+    ks = [ev(11, "small", 30, 60, device=CUDA, corr=4), ev(12, "big", 60, 160, device=CUDA, corr=4),
+          ev(13, "between_k", 170, 180, device=CUDA, corr=5), ev(14, "late_k", 300, 320, device=CUDA, corr=6)]
+    out = idle_report([z, a, drawn, op1, op3, op2, *ks], ("z.first", "a.second"), min_gap_us=5)
+    busy = section(out, "device busy by phase")
+    assert [r.split()[0] for r in busy] == ["z.first", "-", "a.second"], out
+    assert busy[1].split() == ["-", "0.01", "0.01", "0.00", "1"]
+    top = section(out, "top kernels")
+    assert [r.split(None, 2)[2] for r in top] == ["z.first: big", "z.first: small", "-: between_k",
+                                                  "a.second: late_k"], out
+    gaps = section(out, "device idle gaps")
+    assert [(r.split()[0], r.split()[2]) for r in gaps] == [("0.12", "a.second:"), ("0.01", "-:")], out
+
+
+def test_only_work_counts_as_a_kernel_not_annotation_spans_drawn_on_the_device():
+    """A device event named as a phase (with or without the user-annotation flag) and a user annotation's span of
+    any name are not kernels: one kernel counted. [fails if: either the flag check or the phase-name check is
+    dropped from _is_kernel]"""
+    a = ev(1, "phase.a", 0, 100)
+    op = ev(2, "aten::mm", 10, 12, parent=a)
+    k = ev(11, "gemm", 20, 60, device=CUDA, corr=2)
+    named = ev(12, "phase.a", 20, 90, device=CUDA)  # a phase's name, no flag
+    flagged = ev(13, "my.range", 20, 90, device=CUDA)  # flagged, a name that is not a phase
+    flagged.is_user_annotation = True
+    out = idle_report([a, op, k, named, flagged], ("phase.a",))
+    assert [r.split() for r in section(out, "device busy by phase")] == [["phase.a", "0.04", "0.04", "0.00", "1"]], out
+    assert [r.split(None, 2)[2] for r in section(out, "top kernels")] == ["phase.a: gemm"]
+
+
+# ---------------------------------------------------------------- model
+
+
+def distinct(arch: str) -> ModelConfig:
+    """A model section whose every size differs from the others and from its default."""
+    return ModelConfig(arch=arch, hidden_size=96, num_layers=5, num_heads=6, num_kv_heads=2, intermediate_size=200,
+                       moe_intermediate_size=40, num_experts=6, experts_per_token=3, num_shared_experts=2,
+                       first_dense_layers=1, vocab_size=300, max_position_embeddings=777, kv_lora_rank=24,
+                       q_lora_rank=48, qk_rope_head_dim=4, qk_nope_head_dim=12, v_head_dim=20, rope_theta=12345.0)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2", "qwen3_moe", "mixtral", "qwen3_5_moe"])
+def test_every_recipe_field_reaches_the_transformers_config(arch):
+    """make_hf_config maps each model field onto the family's own config key, checked against values written out
+    here: common sizes, rope theta, the tokenizer's special ids (pad 0, bos 1, eos 2), untied embeddings; MLA's
+    one key/value head per query head and its head dims; the routing settings; the experts' and shared experts'
+    widths; Qwen3.5's linear-attention heads and its full-attention layer every fourth. [fails if: any field is
+    dropped, swapped with another or taken from the wrong recipe field]"""
+    from engine.data import load_tokenizer
+    from engine.model import make_hf_config
+
+    tok = load_tokenizer(str(ROOT / "engine" / "assets" / "tokenizer"))
+    c = make_hf_config(distinct(arch), tok)
+    assert (c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_attention_heads) == (300, 96, 5, 6)
+    assert (c.max_position_embeddings, c.num_experts_per_tok, c.tie_word_embeddings) == (777, 3, False)
+    assert c.rope_parameters["rope_theta"] == 12345.0
+    assert (c.pad_token_id, c.bos_token_id, c.eos_token_id) == (0, 1, 2)
+    if arch.startswith("deepseek"):
+        assert c.model_type == arch and c.num_key_value_heads == 6  # MLA: as many as the query heads, not 2
+        assert (c.n_routed_experts, c.n_shared_experts, c.first_k_dense_replace) == (6, 2, 1)
+        assert (c.kv_lora_rank, c.q_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.v_head_dim) == (24, 48, 4, 12,
+                                                                                                          20)
+        assert (c.moe_intermediate_size, c.intermediate_size, c.routed_scaling_factor) == (40, 200, 1.0)
+        if arch == "deepseek_v3":
+            assert (c.topk_method, c.scoring_func, c.norm_topk_prob, c.head_dim) == ("noaux_tc", "sigmoid", True, 4)
+            assert (c.n_group, c.topk_group) == (1, 1)
+        else:
+            assert c.topk_method == "greedy"
+    elif arch == "qwen3_moe":
+        assert (c.num_experts, c.num_key_value_heads, c.head_dim, c.norm_topk_prob) == (6, 2, 16, True)
+        assert (c.moe_intermediate_size, c.intermediate_size, c.decoder_sparse_step, c.mlp_only_layers) == (40, 200, 1,
+                                                                                                            [])
+    elif arch == "mixtral":
+        assert (c.num_local_experts, c.num_key_value_heads, c.head_dim) == (6, 2, 16)
+        assert c.intermediate_size == 40  # the experts' width (moe_intermediate_size), not the dense 200
+    else:
+        assert c.model_type == "qwen3_5_moe_text"
+        assert (c.num_experts, c.num_key_value_heads, c.head_dim, c.moe_intermediate_size) == (6, 2, 16, 40)
+        assert c.shared_expert_intermediate_size == 80  # 2 shared experts x 40
+        assert (c.linear_num_value_heads, c.linear_num_key_heads, c.linear_key_head_dim,
+                c.linear_value_head_dim) == (6, 2, 16, 16)
+        assert c.layer_types == ["linear_attention"] * 3 + ["full_attention", "linear_attention"]
+    if arch in ("qwen3_moe", "mixtral", "qwen3_5_moe"):
+        assert c.output_router_logits is False
+
+
+def test_a_new_model_is_built_without_a_kv_cache_in_training_mode():
+    """build_model (ZeRO stage 0: no zero.Init) returns the recipe's model with use_cache off (training never
+    decodes, and the cache would hold every layer's keys and values) and in training mode. [fails if: use_cache
+    is left on]"""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    from engine.model import build_model
+
+    m = ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=32,
+                    moe_intermediate_size=16, num_experts=4)
+    try:
+        model = build_model(m, {"zero_optimization": {"stage": 0}})
+    finally:
+        unset_hf_deepspeed_config()
+    assert model.config.use_cache is False and model.training
+    assert (model.config.num_hidden_layers, model.config.hidden_size, model.config.n_routed_experts) == (1, 32, 4)
+
+
+def test_the_compiled_rms_norm_is_transformers_arithmetic_with_a_trained_weight():
+    """_rms_norm (the function compile_parameter_free compiles) equals transformers' RMSNorm to the bit in bf16 with
+    a weight that is not all ones (a trained model's): the weight multiplies the normalized value after it is cast
+    to bf16. [fails if: the product is taken in fp32 and cast afterwards, which a fresh model's unit weight hides]"""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
+
+    from engine.model import _rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    norm = DeepseekV3RMSNorm(64, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(64, generator=g) * 3 + 0.1)
+    x = torch.randn(4, 7, 64, generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(_rms_norm(x, norm.weight, norm.variance_epsilon), norm(x))
+
+
+# ---------------------------------------------------------------- pretrain
+
+
+def test_command_line_overrides_keep_zero_and_map_to_their_recipe_keys():
+    """--checkpoint_every 0 (no step cadence) is an override like any other value, under checkpoint.every_steps;
+    unset flags are left out. [fails if: falsy values are dropped, or the flag maps to another key]"""
+    from engine.pretrain import overrides, parse_args
+
+    args = parse_args(["--deepspeed_config", "x.json", "--checkpoint_every", "0", "--max_steps", "7", "--resume"])
+    assert overrides(args) == {"checkpoint.every_steps": 0, "train.max_steps": 7, "resume": True}
+    assert overrides(parse_args(["--deepspeed_config", "x.json"])) == {}
+
+
+def test_auto_batch_is_wanted_when_either_size_says_auto():
+    """[fails if: only the micro-batch's "auto" is looked at]"""
+    from engine.pretrain import auto_wanted
+
+    assert auto_wanted({"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": "auto"})
+    assert auto_wanted({"train_micro_batch_size_per_gpu": "auto"})
+    assert not auto_wanted({"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2})
+    assert not auto_wanted({})
+
+
+def preflight_of(tmp_path, *args, recipe: str | None = None):
+    from engine.parallel import World
+    from engine.pretrain import parse_args, preflight
+
+    argv = ["--deepspeed_config", str(args[0]), "--run_dir", str(tmp_path / "run"), *map(str, args[1:])]
+    if recipe is not None:
+        (tmp_path / "r.yaml").write_text(recipe)
+        argv += ["--config", str(tmp_path / "r.yaml")]
+    return preflight(parse_args(argv), World(0, 1, 1))
+
+
+def test_preflight_accepts_the_edges_of_its_ranges(tmp_path):
+    """--memory_fraction 1 (the whole GPU) is valid; a vocabulary exactly the tokenizer's size (483) is enough;
+    train.balance_rate 0 needs no expert_parallel section. [fails if: the fraction's range excludes 1, the
+    vocabulary check is `>=`, or the balance check fires at a rate of 0]"""
+    recipe = TINY.replace("vocab_size: 512", "vocab_size: 483").replace("balance_rate: 0.01", "balance_rate: 0")
+    ds = write_ds(tmp_path / "ds.json", drop=("expert_parallel",))
+    r, cfg, tok = preflight_of(tmp_path, ds, "--memory_fraction", "1", recipe=recipe)
+    assert r.model.vocab_size == len(tok) == 483 and r.train.balance_rate == 0
+    assert "expert_parallel" not in cfg
+
+
+def test_preflight_refuses_a_zero_memory_fraction_and_leaves_resume_checks_until_the_rest_is_fixed(tmp_path):
+    """--memory_fraction 0 is outside (0, 1] (0 is not "unset"); with another problem present, --resume's checks of
+    the checkpoint are not run (their lines would follow from the broken input). [fails if: the fraction is checked
+    only when truthy, or the resume checks run alongside other problems]"""
+    with pytest.raises(ConfigError) as e:
+        preflight_of(tmp_path, ZERO3, "--memory_fraction", "0")
+    assert "--memory_fraction (0.0) must be in (0, 1]" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        preflight_of(tmp_path, ZERO3, "--memory_fraction", "2", "--resume")
+    assert "--memory_fraction (2.0) must be in (0, 1]" in str(e.value) and "--resume" not in str(e.value), e.value
+    with pytest.raises(ConfigError, match="--resume: no checkpoint in"):
+        preflight_of(tmp_path, ZERO3, "--resume")  # alone, it is checked
+
+
+def test_grad_stats_report_the_norm_and_skipped_steps():
+    """[fails if: skipped_steps is left out of the row, or a missing norm is written as None]"""
+    from engine.pretrain import grad_stats
+
+    assert grad_stats(NS(get_global_grad_norm=lambda: torch.tensor(2.5), skipped_steps=3)) == {
+        "skipped_steps": 3, "grad_norm": 2.5}
+    assert grad_stats(NS(get_global_grad_norm=lambda: None)) == {"skipped_steps": 0}
+    assert grad_stats(NS()) == {"skipped_steps": 0}
+
+
+def test_a_data_stop_names_the_step_it_could_not_read_and_the_one_saved():
+    """[fails if: the saved step is not the one before the unread step]"""
+    from engine.pretrain import DataStop
+
+    e = DataStop(ConfigError("bad row 9"), 7, saved=True)
+    assert str(e) == "bad row 9 (reading the data of step 7; saved step 6, continue with --resume once it is fixed)"
+    assert (e.step, e.saved) == (7, True)
+    assert str(DataStop(None, 3)) == "None (reading the data of step 3)"
+
+
+def test_zero_step_averages_the_micro_batches_and_steps_after_each():
+    """One optimizer step over `accum` micro-batches: the mean of their losses, the data position of the last, one
+    backward and one engine.step() per micro-batch (DeepSpeed applies the update on the last). [fails if: the
+    losses are summed, not averaged, or engine.step is not called per micro-batch]"""
+    from engine.pretrain import zero_step
+
+    calls = []
+    losses = iter([1.0, 3.0])
+
+    class Engine:
+        device = "cpu"
+
+        def __call__(self, input_ids, labels):
+            assert torch.equal(input_ids, labels)
+            return NS(loss=torch.tensor(next(losses), requires_grad=True))
+
+        def backward(self, loss):
+            calls.append(("backward", loss.item()))
+
+        def step(self):
+            calls.append(("step",))
+
+    batches = iter([(5, torch.ones(2, 4, dtype=torch.long)), (9, torch.zeros(2, 4, dtype=torch.long))])
+    position, loss = zero_step(Engine(), batches, 2, 0)
+    assert position == 9 and loss.item() == 2.0 and not loss.requires_grad
+    assert calls == [("backward", 1.0), ("step",), ("backward", 3.0), ("step",)]
+
+
+def test_gathered_problems_name_each_other_ranks_host_once(monkeypatch):
+    """Each distinct problem once, rank 0's without a prefix, another rank's with its rank, host and how many other
+    ranks had the same; no problem anywhere is None; a world of one needs no collective. [fails if: the prefix goes
+    to rank 0, the other-ranks count is off by one, repeats are not counted, or a world of one gathers]"""
+    import torch.distributed as dist
+
+    from engine.parallel import World
+    from engine.pretrain import gather_problems
+
+    others = [("hostB", "disk full"), ("hostC", "disk full"), None]
+    monkeypatch.setattr(dist, "all_gather_object", lambda out, mine: out.__setitem__(slice(None), [mine, *others]))
+    monkeypatch.setattr(socket, "gethostname", lambda: "hostA")
+    w = World(0, 4, 4)
+    assert gather_problems(w, ConfigError("bad recipe")) == "bad recipe; rank 1 on hostB (and 1 other ranks): disk full"
+    others[:] = [None, ("hostC", "disk full"), None]
+    assert gather_problems(w, None) == "rank 2 on hostC: disk full"
+    others[:] = [None, None, None]
+    assert gather_problems(w, None) is None
+
+    def no_collective(*a):
+        raise AssertionError("a world of one gathered")
+
+    monkeypatch.setattr(dist, "all_gather_object", no_collective)
+    assert gather_problems(World(0, 1, 1), ConfigError("x")) == "x" and gather_problems(World(0, 1, 1), None) is None
+
+
+def test_start_ranks_alone_prints_its_problem_and_a_refusing_rank_joins_its_peers(monkeypatch):
+    """A world of one with a problem prints it and stops without joining anyone; a refusing rank of several joins
+    through fail_together and only rank 0 prints; without a problem the ranks start. [fails if: a world of one goes
+    through fail_together, or ranks other than 0 print]"""
+    import engine.pretrain as pretrain
+    from engine.parallel import World
+
+    seen = []
+    monkeypatch.setattr(pretrain, "print_error", lambda line: seen.append(("print", line)))
+    monkeypatch.setattr(pretrain, "init_distributed", lambda **k: seen.append(("init",)))
+    monkeypatch.setattr(pretrain, "fail_together", lambda world, problem: seen.append(("join",)) or f"all: {problem}")
+    monkeypatch.setattr(pretrain, "gather_problems", lambda world, problem: None)
+    assert pretrain.start_ranks(World(0, 1, 1), ConfigError("bad")) is False
+    assert seen == [("print", "error: bad")]
+    seen.clear()
+    assert pretrain.start_ranks(World(1, 2, 2), ConfigError("bad")) is False
+    assert seen == [("join",)]
+    seen.clear()
+    assert pretrain.start_ranks(World(0, 1, 1), None) is True and seen == [("init",)]
+
+
+def test_report_error_from_rank_0_and_each_other_nodes_first_rank_only(monkeypatch):
+    """[fails if: every rank prints, whatever its LOCAL_RANK]"""
+    import engine.pretrain as pretrain
+    from engine.parallel import World
+
+    seen = []
+    monkeypatch.setattr(pretrain, "print_error", seen.append)
+    pretrain.report_error(ValueError("boom"), World(0, 4, 2))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    pretrain.report_error(ValueError("boom"), World(2, 4, 2))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    pretrain.report_error(ValueError("boom"), World(3, 4, 2))
+    assert seen == ["error: boom", f"error on {socket.gethostname()} (rank 2): boom"]
+
+
+def test_a_refusing_rank_whose_rendezvous_fails_says_its_own_problem(monkeypatch):
+    """fail_together: a bad peer timeout turns the watchdog off for the join (the problem already says why), and a
+    rendezvous that fails with torch's RuntimeError (DistNetworkError) gives this rank's own problem. [fails if:
+    RuntimeError is not caught]"""
+    import engine.pretrain as pretrain
+    from engine.parallel import World
+    from engine.watchdog import PeerTimeoutError
+
+    got = {}
+
+    def bad_timeout():
+        raise PeerTimeoutError("bad timeout")
+
+    def init(**k):
+        got.update(k)
+        raise RuntimeError("DistNetworkError: connection refused")
+
+    monkeypatch.setattr(pretrain, "peer_timeout", bad_timeout)
+    monkeypatch.setattr(pretrain, "init_distributed", init)
+    assert pretrain.fail_together(World(1, 2, 2), ConfigError("mine")) == "mine"
+    assert got == {"watchdog": False, "timeout_s": pretrain.FAIL_TOGETHER_S}
+
+
+def fake_two_ranks(monkeypatch, other: dict, world_size: int = 2):
+    """torch.distributed as seen by one rank of a job whose other rank resolved `other` (a DS config and its
+    local_size): all_reduce(MAX) takes the elementwise maximum with that rank's tensor."""
+    import torch.distributed as dist
+
+    from engine.ds_config import ep_size
+
+    mine = [other["train_micro_batch_size_per_gpu"], other.get("gradient_accumulation_steps", 1), ep_size(other),
+            other["local_size"]]
+    theirs = torch.tensor(mine + [-v for v in mine], dtype=torch.int64)
+
+    def all_reduce(t, op):
+        if world_size == 1:
+            raise AssertionError("a world of one reduced")
+        t.copy_(torch.maximum(t, theirs))
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: world_size)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+
+
+def test_ranks_that_resolved_different_batches_or_expert_sizes_are_refused(monkeypatch):
+    """check_ranks_agree: the micro-batch and the accumulation are compared (each alone), then the expert-parallel
+    size, naming the nodes' differing rank counts; a world of one compares nothing. [fails if: the accumulation is
+    not compared, the nodes' note is dropped, or a world of one reduces]"""
+    from engine.parallel import World
+    from engine.pretrain import check_ranks_agree
+
+    ep = {"expert_parallel": {"enabled": True, "autoep_size": 2}}
+    ds = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, **ep}
+    fake_two_ranks(monkeypatch, {**ds, "local_size": 2})
+    check_ranks_agree(ds, World(0, 4, 2))  # the same everywhere
+    fake_two_ranks(monkeypatch, {**ds, "gradient_accumulation_steps": 2, "local_size": 2})
+    with pytest.raises(ConfigError, match=r"different batch sizes \(micro-batch 8-8, accumulation 1-2\)"):
+        check_ranks_agree(ds, World(0, 4, 2))
+    fake_two_ranks(monkeypatch, {**ds, "train_micro_batch_size_per_gpu": 4, "local_size": 2})
+    with pytest.raises(ConfigError, match=r"micro-batch 4-8, accumulation 1-1"):
+        check_ranks_agree(ds, World(0, 4, 2))
+    fake_two_ranks(monkeypatch, {**ds, "expert_parallel": {"enabled": True, "autoep_size": 4}, "local_size": 4})
+    with pytest.raises(ConfigError) as e:
+        check_ranks_agree(ds, World(0, 6, 2))
+    assert "expert_parallel.autoep_size (2-4) (the nodes run 2 to 4 ranks: the hostfile's slots differ)" in str(e.value)
+    fake_two_ranks(monkeypatch, {**ds, "local_size": 2}, world_size=1)
+    check_ranks_agree(ds, World(0, 1, 1))
+
+
+def test_memory_fraction_is_applied_only_when_given_on_cuda(monkeypatch):
+    """[fails if: a missing --memory_fraction is passed to torch as None on CUDA]"""
+    import deepspeed.accelerator
+
+    from engine.pretrain import apply_memory_fraction
+
+    set_to = []
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_to.append)
+    for kind in ("cuda", "cpu"):
+        monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda kind=kind: NS(device_name=lambda: kind))
+        apply_memory_fraction(None)
+        apply_memory_fraction(0.5)
+    assert set_to == [0.5]
+
+
+def test_peak_memory_on_the_cpu_is_the_peak_rss_in_gib():
+    """On the CPU accelerator: the process's peak RSS (ru_maxrss, KiB on Linux) in GiB. [fails if: the KiB are
+    divided by 2**30]"""
+    from engine.pretrain import peak_memory_gib
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    got = peak_memory_gib()
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    assert round(before, 3) <= got <= round(after, 3) and got > 0.05  # this process holds torch: > 50 MiB
+
+
+def test_a_rows_loss_is_the_mean_over_its_steps_and_its_tokens_count_every_step(monkeypatch):
+    """train()'s loop with fakes for the engine, the data, the checkpoint cadence and the metrics file: logging
+    every 2 of 5 steps, the steps' losses 1, 3 | 5, 7 | 9 give rows of loss 2, 6 and 9 (each row's mean over the
+    steps since the last row; the last row, at max_steps, has one), at steps 2, 4 and 5, the tokens counting
+    train_batch_size x seq_len per step. [fails if: a row's summed loss is not divided by its own number of steps
+    (or by log_every instead), or the sum is not reset after a row]"""
+    import engine.checkpoint
+    import engine.pretrain as pretrain
+    from engine.config import load_recipe
+    from engine.parallel import World
+
+    losses = iter([1.0, 3.0, 5.0, 7.0, 9.0])
+    monkeypatch.setattr(pretrain, "zero_step", lambda engine, batches, accum, position: (position + accum,
+                                                                                         torch.tensor(next(losses))))
+
+    class Quiet:
+        failed, error = False, None
+
+        def __init__(self, *a, **k):
+            pass
+
+        def __getattr__(self, name):  # fill, fail, close, advance, after_step: nothing to do
+            return lambda *a, **k: None
+
+        def agree_failed(self):
+            return False
+
+        def due(self, step, max_steps):
+            return False, False
+
+        def load_stats(self):
+            return {}
+
+    logged = []
+
+    class Rows(Quiet):
+        def log(self, row):
+            logged.append(row)
+
+    for name in ("ExpertBalance", "ReadAhead"):
+        monkeypatch.setattr(pretrain, name, Quiet)
+    monkeypatch.setattr(pretrain, "Metrics", Rows)
+    monkeypatch.setattr(engine.checkpoint, "Cadence", Quiet)
+    monkeypatch.setattr(pretrain, "model_flops_per_token", lambda *a: (1e9,))
+    monkeypatch.setattr(pretrain, "peak_tflops", lambda device: None)
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t: None)
+    recipe = load_recipe(None, {"train.max_steps": 5, "train.log_every": 2, "data.seq_len": 16})
+    eng = NS(module=NS(config=None), config={}, device="cpu", monitor=None, get_lr=lambda: [0.5],
+             train_micro_batch_size_per_gpu=lambda: 3, gradient_accumulation_steps=lambda: 1,
+             train_batch_size=lambda: 3)
+    rows = pretrain.train(recipe, eng, NS(micro_batches=lambda *a, **k: iter(())), None, World(0, 1, 1))
+    assert rows == logged and [r["step"] for r in rows] == [2, 4, 5]
+    assert [r["loss"] for r in rows] == [2.0, 6.0, 9.0]
+    assert [r["tokens"] for r in rows] == [2 * 3 * 16, 4 * 3 * 16, 5 * 3 * 16] and rows[0]["lr"] == 0.5
