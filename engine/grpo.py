@@ -146,8 +146,6 @@ def model_config(init_from: str | None, init: str | None, recipe: Recipe, tok):
 def decoder_fit_problem(hf_config, dtype: torch.dtype, batch: int, cache_len: int, device_bytes: int) -> str | None:
     """Why the local rollout decoder (a whole copy of the model plus its KV cache on every device) cannot take
     more than half of a device's memory next to the training state, or None when it fits."""
-    from transformers import AutoModelForCausalLM
-
     weights, cache = decoder_bytes(hf_config, dtype, batch, cache_len)
     if weights + cache <= device_bytes / 2:
         return None
@@ -312,11 +310,6 @@ def preflight(args, world: World):
                             "with, or start a new run_dir")
     found = host_memory_problem(ds, recipe, world.size, min(world.local_size, world.size)) if ds else None
     problems += [f"{where}: {found}"] if found else []
-    if g.decode_attention == "triton" and g.rollout != "engine":
-        from .decoder import decode_attention_problem
-
-        found = decode_attention_problem(hf_config, "cuda" if device_kind() == "cuda" else "cpu")
-        problems += [found] if found else []
     if problems:
         raise ConfigError("; ".join(problems))
     if g.rollout != "engine" and device_kind() == "cuda":
@@ -328,6 +321,11 @@ def preflight(args, world: World):
         elif problem:  # auto: generate through the engine instead
             print0(f"note: {problem.split(';')[0]}: grpo.rollout auto picks engine")
             recipe = replace(recipe, grpo=replace(g, rollout="engine"))
+    if g.decode_attention == "triton" and recipe.grpo.rollout != "engine":  # after the fit may have picked the engine
+        from .decoder import decode_attention_problem
+
+        found = decode_attention_problem(hf_config, "cuda" if device_kind() == "cuda" else "cpu")
+        problems += [found] if found else []
     problems += checkpoint.run_dir_problems(recipe)
     if recipe.resume and not problems:  # as in pretraining: checked, and converted to the universal format on a new shape
         found, universal = checkpoint.check_resume(recipe, ds, world.size, world.rank)
@@ -366,7 +364,9 @@ def grpo_batch(raw: dict, g: GRPOConfig, where: str) -> tuple[int, str] | None:
         return (g.prompts_per_step_per_gpu * G,
                 f"grpo.prompts_per_step_per_gpu {g.prompts_per_step_per_gpu} x {G} {what}")
     prompts = max(1, SEQUENCES_PER_STEP // G)
-    return prompts * G, f"{prompts} prompts x {G} {what}; default: {SEQUENCES_PER_STEP} // {G} prompts"
+    floor = "" if SEQUENCES_PER_STEP >= G else ", at least 1"
+    return (prompts * G, f"{prompts} prompt{'s' if prompts > 1 else ''} x {G} {what}; default: {SEQUENCES_PER_STEP} // "
+                         f"{G} prompts{floor}")
 
 
 def grpo_auto_batch(batch: tuple[int, str], raw: dict, recipe: Recipe, hf_config, rows: list[dict],

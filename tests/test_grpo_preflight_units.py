@@ -370,6 +370,22 @@ def test_the_decoder_fit_counts_the_ranks_whole_rollout_batch(tmp_path, monkeypa
     assert "grpo.rollout auto picks engine" in capsys.readouterr().out
 
 
+def test_triton_decode_attention_is_not_refused_where_the_fit_picks_the_engine(tmp_path, monkeypatch, capsys):
+    """On a GPU where the local decoder does not fit, grpo.rollout auto picks the engine: grpo.decode_attention
+    triton, which only the local decoder reads, is then not checked (here: a machine without the triton package),
+    while grpo.rollout local is refused for the fit. [fails if: the triton check runs before the fit has picked the
+    engine]"""
+    import engine.grpo as grpo
+    import engine.mla_decode as mla_decode
+
+    monkeypatch.setattr(grpo, "device_kind", lambda: "cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=2**20))
+    monkeypatch.setattr(mla_decode, "available", lambda: False)
+    recipe = run_preflight(tmp_path, grpo={"decode_attention": "triton"})[0]
+    assert recipe.grpo.rollout == "engine" and "grpo.rollout auto picks engine" in capsys.readouterr().out
+    assert "needs the triton package" in refusal(tmp_path, grpo={"decode_attention": "triton", "rollout": "local"})
+
+
 def test_preflight_checks_the_run_dir_and_a_resume_has_something_to_resume(tmp_path):
     """A run_dir that is a file is refused; --resume on a run_dir without checkpoints is refused (preflight passes
     --resume on to the recipe). [fails if: run_dir's problems are not added, or --resume does not reach the
@@ -474,8 +490,8 @@ def test_an_auto_rollout_batch_is_whole_groups_of_at_least_one_prompt():
     auto = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
     assert grpo_batch(auto, GRPOConfig(group_size=4, prompts_per_step_per_gpu=3), "x") == (
         12, "grpo.prompts_per_step_per_gpu 3 x 4 completions")
-    assert grpo_batch(auto, GRPOConfig(group_size=80), "x") == (80, "1 prompts x 80 completions; default: 64 // 80 "
-                                                                    "prompts")
+    assert grpo_batch(auto, GRPOConfig(group_size=80), "x") == (80, "1 prompt x 80 completions; default: 64 // 80 "
+                                                                    "prompts, at least 1")
     tree = GRPOConfig(tree=TreeConfig(enabled=True, trees=2, branches=3))
     assert grpo_batch(auto, tree, "x") == (64, "8 prompts x 8 tree leaves; default: 64 // 8 prompts")
     assert grpo_batch({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, tree, "x") is None
