@@ -37,9 +37,10 @@ MARGIN_GIB = 1.0  # on top of that: the CUDA context and what the model does not
 CPU_MICRO, CPU_ACCUM = 8, 1  # the CPU: small and fixed, as zero3.json shipped (the tiny default stays quick)
 GRPO_CPU_MICRO = 16  # GRPO on the CPU: its rows are short (prompt + completion), so 16 rows of them (the demo: 16 x 4)
 # GRPO's train.activation_checkpointing "auto" (GRPOAutoBatch): on where, without it, a micro-batch would hold fewer
-# than CKPT_BELOW_TOKENS tokens and with it at least CKPT_ROWS_GAIN times the rows. One H100 80GB, grpo_2b6 at
-# vocabulary 129,280, rows of 272 tokens: 8 -> 64 rows (zero3_grpo.json) 3.47 -> 1.52 s a step, 4 -> 32 (zero2_grpo.json)
-# 3.92 -> 1.67 s (docs/benchmarks.md); an H200 fits all 64 rows without it, where it would only add the recompute.
+# than CKPT_BELOW_TOKENS tokens and with it at least CKPT_ROWS_GAIN times the rows. Measured on one H100 80GB with
+# grpo_2b6 (rows of 272 tokens: 8 -> 64 rows under zero3_grpo.json, 4 -> 32 under zero2_grpo.json; the step times are
+# in docs/benchmarks.md, "H100, 2026-12-05 (evening)"); an H200 fits all 64 rows without it, where it would only add
+# the recompute. The thresholds lie between those points: a judgment, not a sweep.
 CKPT_BELOW_TOKENS = 4096
 CKPT_ROWS_GAIN = 4
 SEQUENCES_PER_STEP = 64  # default accumulation target on accelerators: 64 x seq_len tokens per step per GPU
