@@ -24,6 +24,8 @@
 #   the batch's 64: GROUP_SIZE=4 MAX_NEW_TOKENS=1024 is the long-completion shape, 16 prompts x 4 x 1024)  INIT=/tmp/gvt_init (REUSE_INIT=1 keeps it)
 #   T_ENGINE=180 T_TRL=240 (per-run timeouts, s)  MASTER_PORT=29600  FREE_LENGTH=1  CONFIGS='zero3_grpo zero2_grpo'
 #   ENGINE_ARGS='--profile_step 4' (more bin/grpo.py arguments; profiles are copied to $OUT)
+#   PRETRAIN_ROWS=docs/bench/vocab/pretrain.jsonl PRETRAIN_CARD=H200 (pretraining's rows for the "train / pretraining"
+#   column, and the card they ran on: the column stays empty on another card)
 #   TRAIN_COMPILE=true (the recipe's train.compile: true compiles the policy's decoder layers; give T_ENGINE its compile)
 #   GRPO_SCRIPT=bin/grpo.py (a wrapper that patches something for a diagnosis and runs bin/grpo.py; CONFIGS may name files)
 # CPU smoke test (here, tiny model; the same steps):
@@ -192,15 +194,25 @@ def trl_row(path):
     return row
 
 
-# Pretraining's tokens/s on the same DS config (zeroN_grpo.json is zeroN.json with a written batch) and vocabulary, one
-# H200: the committed rows of docs/bench/vocab_pretrain.sh (bin/pretrain.py, deepseek_2b6.yaml, seq 2048; the same
-# architecture as grpo_2b6.yaml). Not measured in this call.
+# Pretraining's tokens/s on the same DS config (zeroN_grpo.json is zeroN.json with a written batch) and vocabulary:
+# rows of docs/bench/vocab_pretrain.sh (bin/pretrain.py, deepseek_2b6.yaml, seq 2048; the same architecture as
+# grpo_2b6.yaml), by default the committed ones of one H200 (PRETRAIN_ROWS, PRETRAIN_CARD name others). Not measured in
+# this call, and compared only on a card of that name.
 ARCH = lambda path: {k: v for k, v in yaml.safe_load(open(path))["model"].items()  # noqa: E731
                      if k not in ("vocab_size", "max_position_embeddings")}
 VOCAB = yaml.safe_load(open(os.environ["RECIPE"]))["model"].get("vocab_size")
+PRETRAIN_ROWS = os.environ.get("PRETRAIN_ROWS") or "docs/bench/vocab/pretrain.jsonl"
+PRETRAIN_CARD = os.environ.get("PRETRAIN_CARD") or "H200"
+try:
+    import torch
+
+    CARD = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+except ImportError:
+    CARD = "unknown"
 PRETRAIN = {(r["ds_config"], r["vocab"]): r["tokens_per_s_per_gpu"]
-            for r in map(json.loads, open("docs/bench/vocab/pretrain.jsonl"))
-            if ARCH(os.environ["RECIPE"]) == ARCH("engine/recipes/deepseek_2b6.yaml")}  # that architecture only
+            for r in map(json.loads, open(PRETRAIN_ROWS))
+            if ARCH(os.environ["RECIPE"]) == ARCH("engine/recipes/deepseek_2b6.yaml")  # that architecture only
+            and PRETRAIN_CARD in CARD}  # the same kind of card
 
 
 def pretrain_tps(cfg):
@@ -249,8 +261,9 @@ for r in rows:
         print(f"TRL / engine ({r['ds_config']}): {trl['median_step_s']:.2f} s / {r['median_step_s']:.2f} s = "
               f"{r['trl_over_engine']:.2f} ({'engine faster' if r['trl_over_engine'] > 1 else 'TRL faster'})")
 print(f"pretraining tok/s: bin/pretrain.py on deepseek_2b6.yaml at vocabulary {VOCAB}, the same DS config without "
-      "_grpo, one H200 (docs/bench/vocab/pretrain.jsonl, an earlier call); train tok/s as the metrics row defines it: "
-      "real tokens x forward passes / train_s")
+      f"_grpo, one {PRETRAIN_CARD} ({PRETRAIN_ROWS}, an earlier call)"
+      + ("" if PRETRAIN_CARD in CARD else f"; not compared: this card is {CARD}") + "; train tok/s as the metrics row "
+      "defines it: real tokens x forward passes / train_s")
 if trl:
     print(f"TRL completion lengths per step: {trl.get('completion_len')} (forced: "
           f"{(trl.get('trl_settings') or {}).get('generation_kwargs')})")
