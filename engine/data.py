@@ -48,6 +48,18 @@ def load_tokenizer(name: str):
     return tok
 
 
+def vocab_problem(tok, tokenizer: str, vocab: int, model: str | None = None) -> str | None:
+    """Why a model with `vocab` embeddings cannot take every id of `tok` (data.tokenizer `tokenizer`), or None.
+    `model` names a loaded model (its vocabulary is fixed); None: the recipe's model.vocab_size."""
+    if len(tok) <= vocab:
+        return None
+    if model is None:
+        return (f"data.tokenizer has {len(tok)} tokens but model.vocab_size is {vocab}; raise model.vocab_size to at "
+                f"least {len(tok)}")
+    return (f"data.tokenizer {tokenizer} has {len(tok)} tokens but {model} has a vocabulary of {vocab}: ids from "
+            f"{vocab} on have no embedding; set data.tokenizer to the tokenizer the model was trained with")
+
+
 def looks_local(path: str) -> bool:
     return Path(path).exists() or path.startswith(("/", ".", "~")) or Path(path).suffix in FORMATS
 

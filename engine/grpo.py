@@ -22,7 +22,7 @@ from torch.profiler import record_function
 
 from . import checkpoint, curriculum
 from .config import ConfigError, GRPOConfig, Recipe, hf_weights_problems, load_recipe, model_from_hf_dir
-from .data import load_tokenizer
+from .data import load_tokenizer, vocab_problem
 from .devprof import idle_report
 from .auto_batch import SEQUENCES_PER_STEP, GRPOAutoBatch, checkpointing, host_memory_problem
 from .ds_config import BATCH_KEYS, read_ds_config, resolve_ds_config, whole_model_on_one_gpu, zero_stage
@@ -273,6 +273,10 @@ def preflight(args, world: World):
     if found:  # a Hugging Face dir of a family the engine does not train
         raise ConfigError("; ".join(problems + [f.replace("model.init_from", "--init_from", 1) for f in found]))
     hf_config = model_config(init_from, init, recipe, tok)
+    source = init_from or init  # a loaded policy's vocabulary is fixed; a random one's is the recipe's
+    found = vocab_problem(tok, recipe.data.tokenizer, hf_config.get_text_config().vocab_size,
+                          source and f"the policy --init_from {source}")
+    problems += [found] if found else []
     limit = hf_config.max_position_embeddings
     for name, rows in (("data.path", prompts), ("grpo.eval_path", evals)):
         for i, r in enumerate(rows):

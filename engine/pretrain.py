@@ -18,7 +18,7 @@ from .flops import model_flops_per_token, peak_tflops
 from .fp8 import can_run_fp8, convert as fp8_convert, convert_experts as fp8_experts, fp8_problems
 from .balance import ExpertBalance
 from .config import ConfigError, Recipe, load_recipe
-from .data import ReadAhead, build_data, load_tokenizer, to_device
+from .data import ReadAhead, build_data, load_tokenizer, to_device, vocab_problem
 from .data_check import check_corpus
 from .ds_config import (compile_blocker, read_ds_config, resolve_ds_config, uses_expert_parallel, zero3_compiles_layers,
                         zero_stage)
@@ -96,9 +96,10 @@ def preflight(args: argparse.Namespace, world: World):
     if data is not None:
         try:
             tok = load_tokenizer(data.tokenizer)
-            if recipe is not None and len(tok) > recipe.model.vocab_size and not recipe.model.init_from:
-                problems.append(f"data.tokenizer has {len(tok)} tokens but model.vocab_size is "
-                                f"{recipe.model.vocab_size}; raise model.vocab_size to at least {len(tok)}")
+            m = recipe.model if recipe is not None else None  # with init_from: the loaded model's vocabulary
+            found = m and vocab_problem(tok, data.tokenizer, m.vocab_size,
+                                        m.init_from and f"the model at model.init_from {m.init_from}")
+            problems += [found] if found else []
         except ConfigError as e:
             problems.append(str(e))
         batch, dp = (ds["train_batch_size"], pipeline.data_coords(ds, 0, world.size)[1]) if ds else (None, world.size)

@@ -495,3 +495,23 @@ def test_an_auto_rollout_batch_is_whole_groups_of_at_least_one_prompt():
     tree = GRPOConfig(tree=TreeConfig(enabled=True, trees=2, branches=3))
     assert grpo_batch(auto, tree, "x") == (64, "8 prompts x 8 tree leaves; default: 64 // 8 prompts")
     assert grpo_batch({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, tree, "x") is None
+
+
+def test_a_tokenizer_larger_than_the_policys_vocabulary_is_refused(tmp_path):
+    """--init_from a Hugging Face model of 480 embeddings with the bundled 483-token tokenizer: one line naming the
+    policy and the fix; a model of 483 passes. [fails if: GRPO does not compare the tokenizer with the loaded
+    policy's vocabulary]"""
+    from transformers import AutoModelForCausalLM
+
+    from engine.config import load_recipe
+    from engine.model import make_hf_config
+
+    for vocab in (480, 483):
+        hf = tmp_path / f"hf{vocab}"
+        m = load_recipe(TINY, {"model.vocab_size": vocab}).model
+        AutoModelForCausalLM.from_config(make_hf_config(m, tok())).save_pretrained(hf)
+        if vocab == 483:
+            assert run_preflight(tmp_path, "--init_from", hf)[-1] == str(hf)
+            continue
+        line = refusal(tmp_path, "--init_from", hf)
+        assert f"has 483 tokens but the policy --init_from {hf} has a vocabulary of 480" in line, line

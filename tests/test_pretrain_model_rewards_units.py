@@ -603,3 +603,37 @@ def test_a_rows_loss_is_the_mean_over_its_steps_and_its_tokens_count_every_step(
     assert rows == logged and [r["step"] for r in rows] == [2, 4, 5]
     assert [r["loss"] for r in rows] == [2.0, 6.0, 9.0]
     assert [r["tokens"] for r in rows] == [2 * 3 * 16, 4 * 3 * 16, 5 * 3 * 16] and rows[0]["lr"] == 0.5
+
+
+def save_tiny_hf(path, vocab: int):
+    """The tiny default model at vocabulary `vocab`, saved as a Hugging Face directory (weights and config)."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.config import load_recipe
+    from engine.data import load_tokenizer
+    from engine.model import make_hf_config
+
+    r = load_recipe(None, {"model.vocab_size": vocab})
+    AutoModelForCausalLM.from_config(make_hf_config(r.model, load_tokenizer(r.data.tokenizer))).save_pretrained(path)
+    return path
+
+
+def test_a_tokenizer_larger_than_the_loaded_models_vocabulary_is_refused(tmp_path):
+    """With model.init_from the vocabulary is the loaded model's: the bundled tokenizer's 483 tokens against a model
+    of 480 embeddings is one line naming both and the fix (not "raise model.vocab_size", which a loaded model
+    cannot); a model of 483 passes. [fails if: the check is skipped for a loaded model, or compares the recipe's
+    vocabulary instead of the loaded one's]"""
+    import yaml
+
+    for vocab, ok in ((480, False), (483, True)):
+        hf = save_tiny_hf(tmp_path / f"hf{vocab}", vocab)
+        r = yaml.safe_load(TINY)
+        r["model"] = {"init_from": str(hf)}
+        recipe = yaml.safe_dump(r)
+        if ok:
+            assert preflight_of(tmp_path, ZERO3, recipe=recipe)[0].model.vocab_size == 483
+            continue
+        with pytest.raises(ConfigError) as e:
+            preflight_of(tmp_path, ZERO3, recipe=recipe)
+        assert f"has 483 tokens but the model at model.init_from {hf} has a vocabulary of 480" in str(e.value)
+        assert "set data.tokenizer to the tokenizer the model was trained with" in str(e.value)
