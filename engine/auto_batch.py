@@ -245,7 +245,7 @@ def per_sample_gib(cfg: dict, recipe: Recipe, device: str) -> float:
     return seq * (m.hidden_size * per_token_hidden + gdn) / GIB
 
 
-def checkpointing(recipe: Recipe, on: bool) -> Recipe:
+def with_checkpointing(recipe: Recipe, on: bool) -> Recipe:
     """`recipe` with train.activation_checkpointing set to `on`."""
     from dataclasses import replace
 
@@ -388,6 +388,13 @@ class AutoBatch:
                      f"GPU (\"auto\": {'; '.join(why)})")
         return []
 
+    def sized(self, device: str) -> bool:
+        """Whether "auto" fits this device's memory (an accelerator whose memory is known), not fixed CPU values."""
+        return device != "cpu" and self.memory_gib is not None
+
+    def usable_gib(self) -> float:
+        return USABLE_FRACTION * self.memory_gib - MARGIN_GIB
+
     def candidates(self) -> tuple[int, ...]:
         return CANDIDATES
 
@@ -399,9 +406,9 @@ class AutoBatch:
 
     def pick_micro(self, cfg: dict, recipe: Recipe, dp: int, device: str) -> tuple[int, str, str | None]:
         """(micro-batch, why, problem): the largest candidate whose predicted peak fits; problem if none does."""
-        if device == "cpu" or self.memory_gib is None:
+        if not self.sized(device):
             return (*self.cpu_micro(), None)
-        usable = USABLE_FRACTION * self.memory_gib - MARGIN_GIB
+        usable = self.usable_gib()
         cands = self.candidates()
         peaks = {m: self.peak_gib(cfg, recipe, dp, m, device) for m in cands}
         fits = [m for m in cands if peaks[m] <= usable]
@@ -427,7 +434,7 @@ class AutoBatch:
         seq = recipe.data.seq_len
         target = recipe.train.tokens_per_step_per_gpu
         if target is None:
-            if device == "cpu" or self.memory_gib is None:
+            if not self.sized(device):
                 return CPU_ACCUM, "the CPU's fixed value"
             target, what = SEQUENCES_PER_STEP * seq, f"{SEQUENCES_PER_STEP} x {seq} tokens per step per GPU (default)"
         else:
@@ -479,17 +486,16 @@ class GRPOAutoBatch(AutoBatch):
         """As AutoBatch's; with train.activation_checkpointing "auto", also whether to checkpoint (`checkpointing`)."""
         ckpt = recipe.train.activation_checkpointing
         self.checkpointing = ckpt is True
-        micro, why, problem = super().pick_micro(cfg, checkpointing(recipe, ckpt is True), dp, device)
-        measured = device != "cpu" and self.memory_gib is not None
-        if ckpt == "auto" and measured:
-            on, why_on, problem_on = super().pick_micro(cfg, checkpointing(recipe, True), dp, device)
+        micro, why, problem = super().pick_micro(cfg, with_checkpointing(recipe, ckpt is True), dp, device)
+        if ckpt == "auto" and self.sized(device):
+            on, why_on, problem_on = super().pick_micro(cfg, with_checkpointing(recipe, True), dp, device)
             few = problem or (micro * self.seq_len < CKPT_BELOW_TOKENS
                               and on >= CKPT_ROWS_GAIN * micro)
             if few and not problem_on:
                 without = "nothing fits" if problem else f"{micro} row{'s' if micro > 1 else ''}"
                 self.checkpointing, micro, problem = True, on, None
                 why = f"{why_on}; activation checkpointing on (\"auto\": {without} without it)"
-        if not problem and measured:
+        if not problem and self.sized(device):
             why = f"rows of up to {self.seq_len} tokens, {why} (the reference and the decoder {self.extra_gib:.1f} GiB)"
         return micro, why, problem
 
@@ -498,10 +504,9 @@ class GRPOAutoBatch(AutoBatch):
         that micro-batch does not fit without it."""
         problems = super().resolve(cfg, recipe, dp, device)
         rec = (self.recorded or {}).get("micro_batch")
-        if (not problems and rec is not None and recipe.train.activation_checkpointing == "auto"
-                and device != "cpu" and self.memory_gib is not None):
-            usable = USABLE_FRACTION * self.memory_gib - MARGIN_GIB
-            self.checkpointing = self.peak_gib(cfg, checkpointing(recipe, False), dp, rec, device) > usable
+        if not problems and rec is not None and recipe.train.activation_checkpointing == "auto" and self.sized(device):
+            without = self.peak_gib(cfg, with_checkpointing(recipe, False), dp, rec, device)
+            self.checkpointing = without > self.usable_gib()
             self.note += f"; activation checkpointing {'on' if self.checkpointing else 'off'} at micro-batch {rec}"
         return problems
 

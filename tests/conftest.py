@@ -404,6 +404,19 @@ def small_corpus(path: Path) -> Path:
     return path
 
 
+def save_tiny_hf(path: Path, vocab: int) -> Path:
+    """The tiny default model at vocabulary `vocab`, saved as a Hugging Face directory (weights and config)."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.config import load_recipe
+    from engine.data import load_tokenizer
+    from engine.model import make_hf_config
+
+    r = load_recipe(None, {"model.vocab_size": vocab})
+    AutoModelForCausalLM.from_config(make_hf_config(r.model, load_tokenizer(r.data.tokenizer))).save_pretrained(path)
+    return path
+
+
 def fp32_zero3(path: Path, preset: str = "deepseek_v3", autoep_size="auto", micro: int = 2) -> Path:
     """ds_configs/zero3.json in fp32 (bounds of 1e-5 need it), micro-batch `micro`, AutoEP with `preset`."""
     zero3 = json.loads(ZERO3.read_text())

@@ -414,7 +414,7 @@ def test_grpo_auto_picks_what_ran_and_covers_its_peaks_on_one_gpu():
     activation checkpointing "auto" (docs/bench/grpo_speed/h100_1205_ac/): on, 64 x 1 / 32 x 2 for 256 new tokens
     (zero3_grpo / zero2_grpo) and 16 x 4 / 8 x 8 for 1024, each peak predicted 2.5-3.3 GiB above the measured one."""
     from engine import grpo
-    from engine.auto_batch import checkpointing
+    from engine.auto_batch import with_checkpointing
     from engine.data import load_tokenizer
     from engine.model import make_hf_config
     from engine.parallel import World
@@ -442,7 +442,7 @@ def test_grpo_auto_picks_what_ran_and_covers_its_peaks_on_one_gpu():
         auto.memory_gib = memory
         micro, _, problem = auto.pick_micro(raw, auto.memory_recipe, 1, "cuda")
         assert problem is None and micro == micro_ran and auto.checkpointing is ckpt, (path, micro, problem)
-        predicted = auto.peak_gib(raw, checkpointing(auto.memory_recipe, ckpt), 1, micro, "cuda")
+        predicted = auto.peak_gib(raw, with_checkpointing(auto.memory_recipe, ckpt), 1, micro, "cuda")
         assert measured <= predicted <= measured + 13.0, (path, measured, predicted)
 
 
@@ -477,7 +477,7 @@ def test_grpo_auto_checkpointing_follows_the_rows_a_micro_batch_holds():
     grpo_2b6 at its 129,280 vocabulary with the reference and decoder beside it (11.8 / 12.5 GiB, as measured on the
     H100). [fails if: the token or rows rule is dropped or inverted, "nothing fits" without it is refused though it
     fits with it, an explicit value is overridden, or a resume keeps the fresh decision for another micro-batch]"""
-    from engine.auto_batch import GRPOAutoBatch, checkpointing
+    from engine.auto_batch import GRPOAutoBatch, with_checkpointing
 
     r = load_recipe(RECIPES / "grpo_2b6.yaml")
     assert r.train.activation_checkpointing == "auto"
@@ -496,11 +496,11 @@ def test_grpo_auto_checkpointing_follows_the_rows_a_micro_batch_holds():
     assert pick(139.8, 1040)[:2] == (32, False)  # 32 x 1040 tokens: large enough, the recompute would cost
     assert pick(100.0, 1024)[:2] == (8, False)   # 8 x 1024 tokens without it: enough, though 64 rows fit with it
     assert pick(79.2, 512, sequences=8)[:2] == (4, False)  # 4 x 512 tokens, but with it only 2x the rows (8)
-    assert pick(139.8, 272, checkpointing(r, True))[:2] == (64, True)
-    assert pick(79.2, 272, checkpointing(r, False))[:2] == (8, False)
+    assert pick(139.8, 272, with_checkpointing(r, True))[:2] == (64, True)
+    assert pick(79.2, 272, with_checkpointing(r, False))[:2] == (8, False)
     # a device where no row fits without it, but rows fit with it
     a = GRPOAutoBatch(memory_gib=79.2, sequences=64, seq_len=8192, extra_gib=10.0, what="test")
-    assert a.resolve(dict(z3), checkpointing(r, False), 1, "cuda") != []
+    assert a.resolve(dict(z3), with_checkpointing(r, False), 1, "cuda") != []
     micro, on, note = pick(79.2, 8192, extra=10.0)
     assert (micro, on) == (4, True) and "nothing fits without it" in note
     # --resume: the checkpoint's micro-batch, with checkpointing where it needs it

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, save_tiny_hf
 
 ASSETS = ROOT / "engine" / "assets"
 TINY = ROOT / "engine" / "recipes" / "grpo_tiny.yaml"
@@ -501,15 +501,8 @@ def test_a_tokenizer_larger_than_the_policys_vocabulary_is_refused(tmp_path):
     """--init_from a Hugging Face model of 480 embeddings with the bundled 483-token tokenizer: one line naming the
     policy and the fix; a model of 483 passes. [fails if: GRPO does not compare the tokenizer with the loaded
     policy's vocabulary]"""
-    from transformers import AutoModelForCausalLM
-
-    from engine.config import load_recipe
-    from engine.model import make_hf_config
-
     for vocab in (480, 483):
-        hf = tmp_path / f"hf{vocab}"
-        m = load_recipe(TINY, {"model.vocab_size": vocab}).model
-        AutoModelForCausalLM.from_config(make_hf_config(m, tok())).save_pretrained(hf)
+        hf = save_tiny_hf(tmp_path / f"hf{vocab}", vocab)
         if vocab == 483:
             assert run_preflight(tmp_path, "--init_from", hf)[-1] == str(hf)
             continue

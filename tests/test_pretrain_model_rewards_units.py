@@ -9,7 +9,7 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
-from conftest import ROOT, ZERO3, write_ds
+from conftest import ROOT, ZERO3, save_tiny_hf, write_ds
 
 from engine.config import RECIPES, ConfigError, ModelConfig
 from engine.devprof import idle_report
@@ -603,19 +603,6 @@ def test_a_rows_loss_is_the_mean_over_its_steps_and_its_tokens_count_every_step(
     assert rows == logged and [r["step"] for r in rows] == [2, 4, 5]
     assert [r["loss"] for r in rows] == [2.0, 6.0, 9.0]
     assert [r["tokens"] for r in rows] == [2 * 3 * 16, 4 * 3 * 16, 5 * 3 * 16] and rows[0]["lr"] == 0.5
-
-
-def save_tiny_hf(path, vocab: int):
-    """The tiny default model at vocabulary `vocab`, saved as a Hugging Face directory (weights and config)."""
-    from transformers import AutoModelForCausalLM
-
-    from engine.config import load_recipe
-    from engine.data import load_tokenizer
-    from engine.model import make_hf_config
-
-    r = load_recipe(None, {"model.vocab_size": vocab})
-    AutoModelForCausalLM.from_config(make_hf_config(r.model, load_tokenizer(r.data.tokenizer))).save_pretrained(path)
-    return path
 
 
 def test_a_tokenizer_larger_than_the_loaded_models_vocabulary_is_refused(tmp_path):
