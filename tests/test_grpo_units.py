@@ -437,6 +437,35 @@ def test_compiled_parameter_free_functions_give_the_eager_forward_to_the_bit(mon
     assert compiled.requires_grad and torch.equal(compiled, eager)
 
 
+@pytest.mark.skipif(torch.__version__ < (2, 13), reason="torch 2.11's CPU Inductor rounds differently")
+def test_compiled_layers_give_the_eager_forward_to_the_bit(monkeypatch):
+    """train.compile: true compiles each decoder layer whole (pretrain.compile_layers; GRPO's policy, ZeRO-3
+    pretraining). In bf16 its forward must equal the eager one to the bit, as the parameter-free functions' does, or
+    GRPO's KL against an identical eager reference is not 0 (on one H100 it doubled). It also makes room for one
+    trace per layer (ZeRO-3's ds_id guard on torch 2.11). [fails if: the layers compile without
+    emulate_precision_casts (68% of the logits differ), or the recompile limit stays at its default 8]"""
+    from transformers import AutoModelForCausalLM
+
+    from engine.config import load_recipe
+    from engine.model import make_hf_config
+    from engine.pretrain import compile_layers
+
+    m = load_recipe(None, {"model.hidden_size": 64, "model.intermediate_size": 128, "model.moe_intermediate_size": 32,
+                           "model.num_layers": 5, "model.first_dense_layers": 1}).model
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(make_hf_config(m), dtype=torch.bfloat16)
+    x = torch.randint(0, m.vocab_size, (2, 24))
+    with torch.no_grad():
+        eager = model(x).logits
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # restored after the test
+    torch._dynamo.reset()
+    assert compile_layers(model, dynamic=None) == [f"layers.{i}" for i in range(5)]
+    assert torch._dynamo.config.recompile_limit >= 2 * 5 + 2
+    compiled = model(x).logits
+    torch._dynamo.reset()
+    assert compiled.requires_grad and torch.equal(compiled, eager)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU arithmetic on the 2-rank pool, which a 1-GPU machine "
                     "cannot start (rank 1 has no device)")
 def test_policy_update_on_two_ranks_gives_each_aggregations_whole_batch_loss(tmp_path):

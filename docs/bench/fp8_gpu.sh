@@ -38,7 +38,8 @@ for cfg in ${CONFIGS:-zero2.json zero3.json}; do
     timeout -k 15 ${T_RUN:-240} python3 -m deepspeed.launcher.runner --master_port $port --num_gpus 1 bin/pretrain.py \
       --deepspeed_config ds_configs/$cfg --config $W/$mode.yaml --max_steps ${STEPS:-30} --run_dir $W/$name \
       > $W/logs/$name.log 2>&1
-    echo "$name: exit $? in $((SECONDS - t))s $(grep -m1 -oE 'batch: .{0,60}' $W/logs/$name.log) $(grep -m1 -oE 'fp8: .{0,120}|OutOfMemoryError|Error: .{0,160}|error: .{0,200}' $W/logs/$name.log)"
+    rc=$?; gpu_settle "--run_dir $W/$name"
+    echo "$name: exit $rc in $((SECONDS - t))s $(grep -m1 -oE 'batch: .{0,60}' $W/logs/$name.log) $(grep -m1 -oE 'fp8: .{0,120}|OutOfMemoryError|Error: .{0,160}|error: .{0,200}' $W/logs/$name.log)"
     cp $W/$name/metrics.jsonl "$OUT/fp8_$name.jsonl" 2>/dev/null
   done
 done
@@ -96,7 +97,8 @@ if [ -n "${PROFILE:-}" ] && [ -z "${SUMMARY_ONLY:-}" ]; then
       timeout -k 15 ${T_PROF:-200} python3 -m deepspeed.launcher.runner --master_port $port --num_gpus 1 bin/bench.py \
         --deepspeed_config ds_configs/$cfg --config engine/recipes/$RECIPE.yaml --set train.fp8=$mode --steps 2 \
         --warmup ${WARMUP_P:-3} --profile $PROFILE --label $name --out $W/logs/profile_$name.jsonl > $W/logs/profile_$name.log 2>&1
-      echo "profile $name: exit $? in $((SECONDS - t))s"
+      rc=$?; gpu_settle "--label $name "
+      echo "profile $name: exit $rc in $((SECONDS - t))s"
       cp $W/logs/profile_$name.jsonl.profile.txt $W/logs/profile_$name.txt 2>/dev/null
       { echo; echo "$name, $PROFILE profiled steps:"; sed -n '/^time shares/,/^$/p' $W/logs/profile_$name.txt 2>/dev/null; } >> "$OUT/fp8.md"
     done

@@ -53,7 +53,8 @@ for run in ${RUNS:-bf16_states ratio05 ratio03 ratio07 superoffload}; do
   timeout -k 15 ${T_RUN:-270} python3 -m deepspeed.launcher.runner --master_port $port --num_gpus 1 bin/bench.py \
     --config ${RECIPE:-engine/recipes/deepseek_5b3.yaml} --memory_fraction ${MEMORY_FRACTION:-0.5596} --steps ${STEPS:-6} --warmup ${WARMUP:-2} \
     --label $run --out "$OUT/offload.jsonl" "${extra[@]}" > $W/logs/$run.log 2>&1
-  echo "$run: exit $? in $((SECONDS - t))s $(grep -m1 -oE 'batch: .{0,90}' $W/logs/$run.log) $(grep -m1 -oE 'OutOfMemoryError|Error: .{0,200}|error: .{0,200}' $W/logs/$run.log)"
+  rc=$?; gpu_settle "--label $run "
+  echo "$run: exit $rc in $((SECONDS - t))s $(grep -m1 -oE 'batch: .{0,90}' $W/logs/$run.log) $(grep -m1 -oE 'OutOfMemoryError|Error: .{0,200}|error: .{0,200}' $W/logs/$run.log)"
 done
 python3 -c "import sys, json; sys.path.insert(0, 'bin'); from bench import print_table
 print_table([json.loads(l) for l in open(sys.argv[1])])" "$OUT/offload.jsonl"

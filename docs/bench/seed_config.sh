@@ -64,6 +64,7 @@ run() {  # run NAME MODE DS_CONFIG STEPS [pretrain args...]: one bin/pretrain.py
   timeout -k 15 ${T_RUN:-300} python3 -m deepspeed.launcher.runner --master_port $port --num_gpus 1 bin/pretrain.py \
     --deepspeed_config "$ds" --config $W/$name.yaml --max_steps "$steps" --run_dir $W/$name "$@" > $W/logs/$name.log 2>&1
   local rc=$?
+  gpu_settle "--run_dir $W/$name"
   kill $sampler 2>/dev/null; wait $sampler 2>/dev/null
   local low; low=$(cat $W/$name.low 2>/dev/null || echo "$before")
   echo "$name: exit $rc in $((SECONDS - t))s, host RAM used $(( (before - low) / 1048576 )) GiB" \

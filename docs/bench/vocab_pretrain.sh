@@ -35,6 +35,7 @@ pretrain() {  # pretrain LABEL DS VOCAB LIMIT: one bin/pretrain.py run and its r
     --deepspeed_config "ds_configs/$ds" --config "/tmp/vp/deepseek_2b6_v$v.yaml" --max_steps "$STEPS" \
     --run_dir "/tmp/vp/runs/$label" > /tmp/vp/run.log 2>&1
   local rc=$?
+  gpu_settle "--run_dir /tmp/vp/runs/$label"
   { echo "== $label (exit $rc)"; cat /tmp/vp/run.log; } >> "$LOG"
   python3 - "$label" "$ds" "$v" "$rc" "$((SECONDS - t))" "/tmp/vp/runs/$label/metrics.jsonl" /tmp/vp/run.log \
     "$OUT/vocab_pretrain.jsonl" <<'PY'
