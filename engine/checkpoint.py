@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .config import FROM_HF, CheckpointConfig, ConfigError, Recipe
+from .config import BUNDLED_TOKENIZER, FROM_HF, CheckpointConfig, ConfigError, Recipe
 from .ds_config import ep_size
 
 STATE_FILE = "engine_state.json"
@@ -392,7 +392,11 @@ def data_change(recipe: Recipe, saved: dict | None) -> list[str]:
     if not isinstance(theirs, dict):
         return []
     ours = dataclasses.asdict(recipe.data)
-    diff = [f"data.{k}: {theirs[k]!r} -> {ours[k]!r}" for k in DATA_KEYS if k in theirs and theirs[k] != ours[k]]
+    def same(k, v):  # data.tokenizer auto that found none with the model is the bundled one
+        return BUNDLED_TOKENIZER if k == "tokenizer" and v == "auto" else v
+
+    diff = [f"data.{k}: {theirs[k]!r} -> {ours[k]!r}" for k in DATA_KEYS
+            if k in theirs and same(k, theirs[k]) != same(k, ours[k])]
     return [f"warning: --resume with another data section than the checkpoint's ({'; '.join(diff)}): training goes on "
             f"{saved.get('position', 0)} micro-batches per rank into the new data's order, not where the old run "
             "would have"] if diff else []

@@ -78,8 +78,10 @@ class DataConfig:
     path: str = str(ASSETS / "corpus.jsonl")
     """A local .jsonl/.json/.parquet/.txt file, a folder of them, or a hub dataset name."""
     text_field: str = "text"
-    tokenizer: str = str(ASSETS / "tokenizer")
-    """A tokenizer directory or hub name."""
+    tokenizer: str = "auto"
+    """A tokenizer directory or hub name. auto: the tokenizer saved with the model the run starts from, where it has
+    one (model.init_from's directory; in GRPO also --init_from's: a Hugging Face directory's own files, or a
+    pretraining checkpoint's tokenizer/), else the bundled 512-token one (engine/assets/tokenizer)."""
     seq_len: int = 128
     streaming: bool = False
     """Stream and tokenize on the fly instead of tokenizing everything up front."""
@@ -395,6 +397,26 @@ def bundled(p):
     return str(found) if found.exists() else p
 
 
+BUNDLED_TOKENIZER = str(ASSETS / "tokenizer")
+
+
+def model_tokenizer(model_dir: str | None) -> str | None:
+    """The tokenizer saved with a model (data.tokenizer auto): a Hugging Face directory's own tokenizer files, or a
+    pretraining run's, checkpoints/ dir's or step dir's tokenizer/ (its latest tag); None where there is none."""
+    if not model_dir:
+        return None
+    p = Path(model_dir)
+    if (p / "config.json").is_file():  # a Hugging Face model directory
+        return str(p) if any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")) else None
+    from .export import ExportError, find_tag_dir
+
+    try:
+        tag = find_tag_dir(p, None)
+    except (ExportError, OSError):
+        return None
+    return str(tag / "tokenizer") if (tag / "tokenizer" / "tokenizer_config.json").is_file() else None
+
+
 def load_recipe(path: str | Path | None = None, overrides: dict | None = None) -> Recipe:
     """Read a recipe YAML (default: the embedded tiny recipe), apply overrides, validate everything."""
     path = Path(path) if path else DEFAULT_RECIPE
@@ -431,6 +453,8 @@ def load_recipe(path: str | Path | None = None, overrides: dict | None = None) -
         recipe.grpo.eval_path = bundled(recipe.grpo.eval_path)
     if recipe.model.init_from is not None:
         problems += model_from_hf_dir(recipe.model) or hf_weights_problems(recipe.model.init_from)
+        if isinstance(recipe.data, DataConfig) and recipe.data.tokenizer == "auto":
+            recipe.data.tokenizer = model_tokenizer(recipe.model.init_from) or "auto"
     problems += validate(recipe)
     if problems:
         e = ConfigError(f"recipe {path}: " + "; ".join(problems))

@@ -28,7 +28,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from .config import ConfigError, DataConfig
+from .config import BUNDLED_TOKENIZER, ConfigError, DataConfig
 from .curriculum import document_keys, document_order
 
 PACK_VERSION = 1  # bump when packing changes, so old cache files are not read
@@ -36,8 +36,10 @@ FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "te
 
 
 def load_tokenizer(name: str):
+    """data.tokenizer's tokenizer ("auto" that found none with the model: the bundled one)."""
     from transformers import AutoTokenizer
 
+    name = BUNDLED_TOKENIZER if name == "auto" else name
     try:
         tok = AutoTokenizer.from_pretrained(name)
     except Exception as e:  # noqa: BLE001  (transformers raises many kinds)

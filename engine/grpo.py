@@ -21,7 +21,8 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from . import checkpoint, curriculum
-from .config import ConfigError, GRPOConfig, Recipe, hf_weights_problems, load_recipe, model_from_hf_dir
+from .config import (ConfigError, GRPOConfig, Recipe, hf_weights_problems, load_recipe, model_from_hf_dir,
+                     model_tokenizer)
 from .data import load_tokenizer, vocab_problem
 from .devprof import idle_report
 from .auto_batch import SEQUENCES_PER_STEP, GRPOAutoBatch, host_memory_problem, with_checkpointing
@@ -247,6 +248,12 @@ def preflight(args, world: World):
     except ConfigError as e:
         problems.append(str(e))
         rewards = None
+    init_from, problem = resumed_init(args.init_from, recipe)
+    if problem:
+        raise ConfigError("; ".join(problems + [problem]))
+    init = resolve_init(init_from, recipe)
+    if recipe.data.tokenizer == "auto" and init_from:  # the tokenizer saved with the policy --init_from loads
+        recipe = replace(recipe, data=replace(recipe.data, tokenizer=model_tokenizer(init_from) or "auto"))
     tok = load_tokenizer(recipe.data.tokenizer)
     if tok.pad_token_id is None and tok.eos_token_id is None:
         problems.append(f"data.tokenizer {recipe.data.tokenizer}: has neither a pad nor an EOS token; GRPO pads "
@@ -260,10 +267,6 @@ def preflight(args, world: World):
                "score the whole softmax (top_p 1 samples and scores one distribution)")
     prompts = load_prompts(recipe.data.path)
     evals = load_prompts(g.eval_path, "grpo.eval_path") if g.eval_path else []
-    init_from, problem = resumed_init(args.init_from, recipe)
-    if problem:
-        raise ConfigError("; ".join(problems + [problem]))
-    init = resolve_init(init_from, recipe)
     if init is None and init_from is None and not g.allow_random_init:
         problems.append("no --init_from (nor model.init_from): GRPO would train a randomly initialised policy, which "
                         "earns no reward; pass --init_from a pretraining run dir, a checkpoint or a Hugging Face "

@@ -404,8 +404,9 @@ def small_corpus(path: Path) -> Path:
     return path
 
 
-def save_tiny_hf(path: Path, vocab: int) -> Path:
-    """The tiny default model at vocabulary `vocab`, saved as a Hugging Face directory (weights and config)."""
+def save_tiny_hf(path: Path, vocab: int, tokenizer: bool = False) -> Path:
+    """The tiny default model at vocabulary `vocab`, saved as a Hugging Face directory (weights and config); with
+    `tokenizer`, beside it the bundled tokenizer grown to `vocab` tokens (its 483 and new ones), as a model's own."""
     from transformers import AutoModelForCausalLM
 
     from engine.config import load_recipe
@@ -413,7 +414,11 @@ def save_tiny_hf(path: Path, vocab: int) -> Path:
     from engine.model import make_hf_config
 
     r = load_recipe(None, {"model.vocab_size": vocab})
-    AutoModelForCausalLM.from_config(make_hf_config(r.model, load_tokenizer(r.data.tokenizer))).save_pretrained(path)
+    tok = load_tokenizer(r.data.tokenizer)
+    AutoModelForCausalLM.from_config(make_hf_config(r.model, tok)).save_pretrained(path)
+    if tokenizer:
+        tok.add_tokens([f"<model_token_{i}>" for i in range(vocab - len(tok))])
+        tok.save_pretrained(path)
     return path
 
 

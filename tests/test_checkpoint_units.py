@@ -145,3 +145,25 @@ def _no_distributed(monkeypatch):
     import torch.distributed as dist
 
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
+
+
+def test_data_tokenizer_auto_finds_a_checkpoints_tokenizer(tmp_path):
+    """GRPO's --init_from may be a pretraining run: data.tokenizer auto (config.model_tokenizer) takes the tokenizer/
+    that run's latest checkpoint saved, from the run dir, its checkpoints/ dir or the step dir; nothing where the
+    checkpoint has none or the path is no checkpoint. A resume whose checkpoint recorded the bundled tokenizer's path
+    while the recipe now says auto (and finds no other) is no data change. [fails if: auto misses a checkpoint's
+    tokenizer/, or "auto" against the bundled path is warned about as another tokenizer]"""
+    from engine.config import BUNDLED_TOKENIZER, model_tokenizer
+
+    saved(tmp_path)
+    tag = tmp_path / "checkpoints" / checkpoint.tag_for(10)
+    (tag / "mp_rank_00_model_states.pt").write_bytes(b"")
+    assert model_tokenizer(str(tmp_path)) is None  # a checkpoint without tokenizer/
+    (tag / "tokenizer").mkdir()
+    (tag / "tokenizer" / "tokenizer_config.json").write_text("{}")
+    for given in (tmp_path, tmp_path / "checkpoints", tag):
+        assert model_tokenizer(str(given)) == str(tag / "tokenizer"), given
+    assert model_tokenizer(str(tmp_path / "nothing")) is None and model_tokenizer(None) is None
+    was = {"recipe": {"data": dataclasses.asdict(DataConfig(tokenizer=BUNDLED_TOKENIZER))}}
+    assert checkpoint.data_change(dataclasses.replace(recipe(tmp_path), data=DataConfig()), was) == []
+    assert checkpoint.data_change(dataclasses.replace(recipe(tmp_path), data=DataConfig(tokenizer="/t")), was)

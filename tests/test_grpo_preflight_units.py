@@ -508,3 +508,17 @@ def test_a_tokenizer_larger_than_the_policys_vocabulary_is_refused(tmp_path):
             continue
         line = refusal(tmp_path, "--init_from", hf)
         assert f"has 483 tokens but the policy --init_from {hf} has a vocabulary of 480" in line, line
+
+
+def test_grpo_takes_the_tokenizer_saved_with_its_init_from(tmp_path):
+    """data.tokenizer auto (the default) with --init_from a Hugging Face directory that holds its own tokenizer (490
+    tokens: the bundled 483 and 7 more) loads that one; a tokenizer named in the recipe stays; a directory without
+    one leaves the bundled tokenizer. [fails if: auto ignores --init_from's tokenizer (483 tokens), or overrides a
+    named one]"""
+    hf = save_tiny_hf(tmp_path / "hf", 490, tokenizer=True)
+    r, _, tok, *_ = run_preflight(tmp_path, "--init_from", hf)
+    assert (r.data.tokenizer, len(tok)) == (str(hf), 490)
+    r, _, tok, *_ = run_preflight(tmp_path, "--init_from", hf, data={"tokenizer": str(ASSETS / "tokenizer")})
+    assert (r.data.tokenizer, len(tok)) == (str(ASSETS / "tokenizer"), 483)
+    r, _, tok, *_ = run_preflight(tmp_path, "--init_from", save_tiny_hf(tmp_path / "bare", 490))
+    assert (r.data.tokenizer, len(tok)) == ("auto", 483)

@@ -624,3 +624,17 @@ def test_a_tokenizer_larger_than_the_loaded_models_vocabulary_is_refused(tmp_pat
             preflight_of(tmp_path, ZERO3, recipe=recipe)
         assert f"has 483 tokens but the model at model.init_from {hf} has a vocabulary of 480" in str(e.value)
         assert "set data.tokenizer to the tokenizer the model was trained with" in str(e.value)
+
+
+def test_pretraining_takes_the_tokenizer_saved_with_model_init_from(tmp_path):
+    """data.tokenizer auto (the default) with model.init_from a Hugging Face directory holding its own tokenizer (490
+    tokens) trains with that tokenizer, not the bundled 483-token one; without one there, the bundled one. [fails
+    if: auto ignores the model's tokenizer]"""
+    import yaml
+
+    for with_tok, want in ((True, 490), (False, 483)):
+        hf = save_tiny_hf(tmp_path / f"hf{with_tok}", 490, tokenizer=with_tok)
+        r = yaml.safe_load(TINY)
+        r["model"] = {"init_from": str(hf)}
+        got, _, tok = preflight_of(tmp_path, ZERO3, recipe=yaml.safe_dump(r))
+        assert (got.data.tokenizer, len(tok)) == ((str(hf), 490) if with_tok else ("auto", 483))

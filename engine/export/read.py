@@ -140,7 +140,10 @@ def recorded_hf_config(tag_dir: Path, state: dict):
 def _tokenizer(tag_dir: Path, state: dict):
     from transformers import AutoTokenizer
 
-    for where in (tag_dir / "tokenizer", state["recipe"].get("data", {}).get("tokenizer")):
+    from ..config import BUNDLED_TOKENIZER
+
+    named = state["recipe"].get("data", {}).get("tokenizer")
+    for where in (tag_dir / "tokenizer", BUNDLED_TOKENIZER if named == "auto" else named):
         if where and Path(where).is_dir():
             try:
                 return AutoTokenizer.from_pretrained(str(where))
