@@ -437,8 +437,10 @@ def test_compiled_parameter_free_functions_give_the_eager_forward_to_the_bit(mon
     assert compiled.requires_grad and torch.equal(compiled, eager)
 
 
-@pytest.mark.skipif(torch.__version__ < (2, 13), reason="torch 2.11's CPU Inductor rounds differently")
-def test_compiled_layers_give_the_eager_forward_to_the_bit(monkeypatch):
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.skipif(
+    torch.__version__ < (2, 13), reason="torch 2.11's CPU Inductor rounds differently"))]
+    + (["cuda"] if torch.cuda.is_available() else []))
+def test_compiled_layers_give_the_eager_forward_to_the_bit(monkeypatch, device):
     """train.compile: true compiles each decoder layer whole (pretrain.compile_layers; GRPO's policy, ZeRO-3
     pretraining). In bf16 its forward must equal the eager one to the bit, as the parameter-free functions' does, or
     GRPO's KL against an identical eager reference is not 0 (on one H100 it doubled). It also makes room for one
@@ -453,8 +455,8 @@ def test_compiled_layers_give_the_eager_forward_to_the_bit(monkeypatch):
     m = load_recipe(None, {"model.hidden_size": 64, "model.intermediate_size": 128, "model.moe_intermediate_size": 32,
                            "model.num_layers": 5, "model.first_dense_layers": 1}).model
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(make_hf_config(m), dtype=torch.bfloat16)
-    x = torch.randint(0, m.vocab_size, (2, 24))
+    model = AutoModelForCausalLM.from_config(make_hf_config(m), dtype=torch.bfloat16).to(device)
+    x = torch.randint(0, m.vocab_size, (2, 24), device=device)
     with torch.no_grad():
         eager = model(x).logits
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # restored after the test
@@ -464,6 +466,47 @@ def test_compiled_layers_give_the_eager_forward_to_the_bit(monkeypatch):
     compiled = model(x).logits
     torch._dynamo.reset()
     assert compiled.requires_grad and torch.equal(compiled, eager)
+
+
+def test_compiled_layers_trace_every_layer_when_each_needs_its_own(monkeypatch):
+    """Under ZeRO-3 DeepSpeed's linear reads an int attribute of each weight (ds_id), and dynamo (torch 2.11) guards on
+    its value: one trace per layer, where the default recompile limit of 8 left the later layers of a 12-layer model
+    eager (one H100). Here a linear that reads an int of each weight as DeepSpeed's does, on 11 layers (10 dense, one
+    MoE): every layer is traced. [fails if: compile_layers leaves the recompile limit at 8 (8 traces)]"""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from engine.config import load_recipe
+    from engine.model import make_hf_config
+    from engine.pretrain import compile_layers
+
+    m = load_recipe(None, {"model.hidden_size": 32, "model.intermediate_size": 64, "model.num_layers": 11,
+                           "model.first_dense_layers": 10, "model.moe_intermediate_size": 16}).model
+    model = AutoModelForCausalLM.from_config(make_hf_config(m))
+    for i, p in enumerate(model.parameters()):
+        p.ds_id = i
+    real = F.linear
+
+    def linear(x, weight, bias=None):  # as deepspeed/runtime/zero/linear.py reads its weight's ds_id
+        assert weight.ds_id >= 0
+        return real(x, weight, bias)
+
+    traces = []
+
+    def backend(gm, example_inputs):
+        traces.append(gm)
+        return gm.forward
+
+    compile_ = torch.compile
+    monkeypatch.setattr(F, "linear", linear)
+    monkeypatch.setattr(torch, "compile", lambda fn, dynamic=None, options=None: compile_(fn, backend=backend,
+                                                                                           dynamic=dynamic))
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # restored after the test
+    torch._dynamo.reset()
+    compile_layers(model, dynamic=None)
+    model(torch.randint(0, m.vocab_size, (2, 16)))
+    torch._dynamo.reset()
+    assert len(traces) >= 11, len(traces)  # a graph per layer at least (the MoE layer's breaks into more): 16
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU arithmetic on the 2-rank pool, which a 1-GPU machine "
