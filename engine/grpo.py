@@ -102,6 +102,17 @@ def resumed_init(init_from: str | None, recipe: Recipe) -> tuple[str | None, str
     return start, None
 
 
+def auto_tokenizer(recipe: Recipe, init_from: str | None) -> str:
+    """data.tokenizer auto in GRPO: on --resume the tokenizer the checkpoint recorded (the path it resolved to at the
+    start, while it is there: the run goes on with what it trained with, and the resume sees no data change), else
+    the one saved with --init_from's model (config.model_tokenizer), else "auto" (the bundled one)."""
+    saved = checkpoint.saved_state(recipe.run_dir) if recipe.resume else None
+    recorded = (((saved or {}).get("recipe") or {}).get("data") or {}).get("tokenizer")
+    if isinstance(recorded, str) and recorded != "auto" and Path(recorded).is_dir():
+        return recorded
+    return model_tokenizer(init_from) or "auto"
+
+
 def resolve_init(init_from: str | None, recipe: Recipe) -> str | None:
     """An HF model dir to load: as given, or exported from a pretraining run/checkpoint (done on rank 0)."""
     if init_from is None:
@@ -252,8 +263,8 @@ def preflight(args, world: World):
     if problem:
         raise ConfigError("; ".join(problems + [problem]))
     init = resolve_init(init_from, recipe)
-    if recipe.data.tokenizer == "auto" and init_from:  # the tokenizer saved with the policy --init_from loads
-        recipe = replace(recipe, data=replace(recipe.data, tokenizer=model_tokenizer(init_from) or "auto"))
+    if recipe.data.tokenizer == "auto":  # the tokenizer saved with the policy --init_from loads
+        recipe = replace(recipe, data=replace(recipe.data, tokenizer=auto_tokenizer(recipe, init_from)))
     tok = load_tokenizer(recipe.data.tokenizer)
     if tok.pad_token_id is None and tok.eos_token_id is None:
         problems.append(f"data.tokenizer {recipe.data.tokenizer}: has neither a pad nor an EOS token; GRPO pads "

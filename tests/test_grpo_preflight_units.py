@@ -522,3 +522,23 @@ def test_grpo_takes_the_tokenizer_saved_with_its_init_from(tmp_path):
     assert (r.data.tokenizer, len(tok)) == (str(ASSETS / "tokenizer"), 483)
     r, _, tok, *_ = run_preflight(tmp_path, "--init_from", save_tiny_hf(tmp_path / "bare", 490))
     assert (r.data.tokenizer, len(tok)) == ("auto", 483)
+
+
+def test_a_resumed_grpo_run_keeps_the_tokenizer_it_recorded(tmp_path):
+    """data.tokenizer auto on --resume: the tokenizer path the checkpoint recorded at the start (the run goes on with
+    what it trained with, and the resume reports no data change), while it is there; gone, the one saved with the
+    model the run restarts from; without a checkpoint, --init_from's. [fails if: a resume re-resolves from the start
+    model when the recorded tokenizer is there (another path, a spurious "another data section" warning)]"""
+    from engine.grpo import auto_tokenizer
+
+    hf = save_tiny_hf(tmp_path / "hf", 490, tokenizer=True)
+    first = save_tiny_hf(tmp_path / "first", 490, tokenizer=True)  # where the run's tokenizer was found at its start
+    run = tmp_path / "run"
+    fake_checkpoint(run, {"recipe": {"model": {"init_from": str(hf)}, "data": {"tokenizer": str(first)}}})
+    assert auto_tokenizer(resuming(run), str(hf)) == str(first)
+    assert auto_tokenizer(replace(resuming(run), resume=False), str(hf)) == str(hf)
+    import shutil
+
+    shutil.rmtree(first)
+    assert auto_tokenizer(resuming(run), str(hf)) == str(hf)
+    assert auto_tokenizer(resuming(run), None) == "auto"
