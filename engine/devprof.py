@@ -116,7 +116,7 @@ def idle_report(events, phases: tuple[str, ...] = (), min_gap_us: float = 20.0, 
     total = 0.0
     kstarts = [k.time_range.start for k in kernels]
     for (_, end), (start, _) in zip(merged, merged[1:]):
-        if start - end < min_gap_us:
+        if start - end <= min_gap_us:  # longer than min_gap_us only
             continue
         i = bisect.bisect_left(kstarts, start)  # the kernel the device waited for
         src = launcher[i]

@@ -120,6 +120,17 @@ def section(out: str, title: str) -> list[str]:
     return rows
 
 
+def test_only_gaps_longer_than_min_gap_are_listed():
+    """idle_report lists the gaps between kernels longer than min_gap_us, as its docstring and header say: a 20 us
+    gap at min_gap_us 20 is not listed, a 21 us one is. [fails if: a gap equal to min_gap_us is counted]"""
+    for gap, listed in ((20, False), (21, True)):
+        a = ev(1, "phase.a", 0, 1000)
+        op = ev(2, "aten::mm", 10, 20, parent=a)
+        ks = [ev(11, "gemm", 100, 200, device=CUDA, corr=2), ev(12, "gemm", 200 + gap, 300, device=CUDA, corr=2)]
+        out = idle_report([a, op, *ks], ("phase.a",), min_gap_us=20)
+        assert bool(section(out, "device idle gaps")) is listed, (gap, out)
+
+
 def test_busy_time_is_the_union_of_overlapping_kernels():
     """Kernels that overlap (another stream) or touch are one busy stretch: 100-400 with 150-200 inside it and
     400-450 right after is 350 us busy, 0 idle, 3 kernels; touching kernels leave no idle gap even at
