@@ -99,6 +99,9 @@ def resumed_init(init_from: str | None, recipe: Recipe) -> tuple[str | None, str
     if not (Path(start) / "config.json").is_file():
         return None, (f"--resume: the run started from {start} ({where}), which is gone, and the reference policy is "
                       "rebuilt from it; restore it there, or start a new run_dir")
+    if init_from is not None and source is None and Path(init_from).resolve() != Path(start).resolve():
+        print0(f"note: --init_from {init_from} is not used: the run in {recipe.run_dir} resumes from the model it "
+               f"started from, {start} ({where}, which does not record what that was exported from)")
     return start, None
 
 
