@@ -821,7 +821,7 @@ def metrics_row(run: Run, r: Rollouts, scores, reward, stats: dict, phases: dict
     train_s = sum(phases.values())
     n_micro = run.g.iterations * (len(r.ids) // run.micro)
     new_tokens = _sum_all(r.tree.generated_tokens if r.tree is not None else r.attn[:, r.p_len:].sum())  # shared prefixes once
-    row = {"step": step, "reward": _mean_all(reward.mean()), "reward_std": _mean_all(reward.std()),
+    row = {"step": step, "reward": _mean_all(reward.mean()), "reward_std": _std_all(reward),
            "lr": run.policy.get_lr()[0], "response_len": _mean_all(r.attn[:, r.p_len:].sum(1).float().mean()),
            "generated_tokens": new_tokens, "rollout_tokens_per_s": new_tokens / max(r.seconds, 1e-9),
            "train_tokens_per_s": _sum_all(float(r.attn.sum()) * forwards) / max(train_s, 1e-9),
@@ -1020,6 +1020,14 @@ def _mean_all(x) -> float:
         dist.all_reduce(t)
         t /= dist.get_world_size()
     return t.item()
+
+
+def _std_all(x: torch.Tensor) -> float:
+    """The standard deviation (n - 1) of x's values over all ranks, as one batch: a mean of the ranks' own standard
+    deviations is lower wherever the ranks' means differ."""
+    x = x.detach().double()
+    n, s, s2 = _sum_all(x.numel()), _sum_all(x.sum()), _sum_all((x * x).sum())
+    return max(s2 - s * s / n, 0.0) ** 0.5 / max(n - 1, 1) ** 0.5 if n else 0.0
 
 
 def _sum_all(x, op=None) -> float:

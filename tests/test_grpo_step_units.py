@@ -435,10 +435,12 @@ def test_the_metrics_row_sums_counts_and_averages_means_over_ranks(monkeypatch):
     """metrics_row on 2 identical ranks: generated tokens 2 x 7 (from the response columns), their rate over 2 s,
     train tokens 2 x 14 x 3 forwards over 2 s, the response length 7 / 4, the longest completion 3 (a max over
     ranks) over the rollout's 2 s; the loss is the mean of the 2 x 2 micro-batch losses, the others token means over
-    2 x 7 tokens; reward failures summed over ranks.
+    2 x 7 tokens; reward failures summed over ranks; reward_std that of the 8 rewards together (0.463, where each
+    rank's own is 0.5).
     [fails if: iterations are left out of the micro-batch count, the last prompt column counts as generated, the
     forwards are left out, the longest completion is summed over ranks, failures are averaged, the token stats are
-    averaged over ranks, a mean over ranks is not divided by their number, or kl_mean is not renamed kl]"""
+    averaged over ranks, a mean over ranks is not divided by their number, kl_mean is not renamed kl, or reward_std
+    averages the ranks' own]"""
     from engine.grpo import metrics_row
 
     twin_ranks(monkeypatch)
@@ -446,7 +448,7 @@ def test_the_metrics_row_sums_counts_and_averages_means_over_ranks(monkeypatch):
     peak = row.pop("peak_mem_gib")
     assert peak > 0
     assert row == pytest.approx({
-        "step": 7, "reward": 0.75, "reward_std": 0.5, "lr": 0.1, "response_len": 1.75, "generated_tokens": 14.0,
+        "step": 7, "reward": 0.75, "reward_std": (1.5 / 7) ** 0.5, "lr": 0.1, "response_len": 1.75, "generated_tokens": 14.0,
         "rollout_tokens_per_s": 7.0, "train_tokens_per_s": 42.0, "rollout_s": 2.0, "train_s": 2.0, "ref_s": 0.5,
         "policy_s": 1.5, "step_s": 5.0, "loss": 0.3, "clip_frac": 0.1, "kl": 0.05, "entropy": 0.3,
         "rollout_ms_per_step": 2000 / 3, "update_skipped": 0, "reward_exact_match": 0.75,
