@@ -400,21 +400,11 @@ def bundled(p):
 BUNDLED_TOKENIZER = str(ASSETS / "tokenizer")
 
 
-def model_tokenizer(model_dir: str | None) -> str | None:
-    """The tokenizer saved with a model (data.tokenizer auto): a Hugging Face directory's own tokenizer files, or a
-    pretraining run's, checkpoints/ dir's or step dir's tokenizer/ (its latest tag); None where there is none."""
-    if not model_dir:
-        return None
-    p = Path(model_dir)
-    if (p / "config.json").is_file():  # a Hugging Face model directory
-        return str(p) if any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")) else None
-    from .export import ExportError, find_tag_dir
-
-    try:
-        tag = find_tag_dir(p, None)
-    except (ExportError, OSError):
-        return None
-    return str(tag / "tokenizer") if (tag / "tokenizer" / "tokenizer_config.json").is_file() else None
+def hf_tokenizer(model_dir: str | None) -> str | None:
+    """The tokenizer saved in a Hugging Face model directory (data.tokenizer auto): the directory, where it holds
+    tokenizer files; None otherwise."""
+    p = Path(model_dir) if model_dir else None
+    return str(p) if p and any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")) else None
 
 
 def load_recipe(path: str | Path | None = None, overrides: dict | None = None) -> Recipe:
@@ -454,7 +444,7 @@ def load_recipe(path: str | Path | None = None, overrides: dict | None = None) -
     if recipe.model.init_from is not None:
         problems += model_from_hf_dir(recipe.model) or hf_weights_problems(recipe.model.init_from)
         if isinstance(recipe.data, DataConfig) and recipe.data.tokenizer == "auto":
-            recipe.data.tokenizer = model_tokenizer(recipe.model.init_from) or "auto"
+            recipe.data.tokenizer = hf_tokenizer(recipe.model.init_from) or "auto"
     problems += validate(recipe)
     if problems:
         e = ConfigError(f"recipe {path}: " + "; ".join(problems))

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from . import checkpoint, curriculum
-from .config import (ConfigError, GRPOConfig, Recipe, hf_weights_problems, load_recipe, model_from_hf_dir,
-                     model_tokenizer)
+from .config import (ConfigError, GRPOConfig, Recipe, hf_tokenizer, hf_weights_problems, load_recipe,
+                     model_from_hf_dir)
 from .data import load_tokenizer, vocab_problem
 from .devprof import idle_report
 from .auto_batch import SEQUENCES_PER_STEP, GRPOAutoBatch, host_memory_problem, with_checkpointing
@@ -108,12 +108,26 @@ def resumed_init(init_from: str | None, recipe: Recipe) -> tuple[str | None, str
 def auto_tokenizer(recipe: Recipe, init_from: str | None) -> str:
     """data.tokenizer auto in GRPO: on --resume the tokenizer the checkpoint recorded (the path it resolved to at the
     start, while it is there: the run goes on with what it trained with, and the resume sees no data change), else
-    the one saved with --init_from's model (config.model_tokenizer), else "auto" (the bundled one)."""
+    the one saved with --init_from's model (model_tokenizer), else "auto" (the bundled one)."""
     saved = checkpoint.saved_state(recipe.run_dir) if recipe.resume else None
     recorded = (((saved or {}).get("recipe") or {}).get("data") or {}).get("tokenizer")
     if isinstance(recorded, str) and recorded != "auto" and Path(recorded).is_dir():
         return recorded
     return model_tokenizer(init_from) or "auto"
+
+
+def model_tokenizer(init_from: str | None) -> str | None:
+    """The tokenizer saved with --init_from's model: a Hugging Face directory's own files, or the tokenizer/ of a
+    pretraining run's, checkpoints/ dir's or step dir's checkpoint (its latest tag); None where there is none."""
+    if not init_from or (Path(init_from) / "config.json").is_file():
+        return hf_tokenizer(init_from)
+    from .export import ExportError, find_tag_dir
+
+    try:
+        tag = find_tag_dir(init_from, None)
+    except (ExportError, OSError):
+        return None
+    return str(tag / "tokenizer") if (tag / "tokenizer" / "tokenizer_config.json").is_file() else None
 
 
 def resolve_init(init_from: str | None, recipe: Recipe) -> str | None:

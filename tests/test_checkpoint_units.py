@@ -148,12 +148,13 @@ def _no_distributed(monkeypatch):
 
 
 def test_data_tokenizer_auto_finds_a_checkpoints_tokenizer(tmp_path):
-    """GRPO's --init_from may be a pretraining run: data.tokenizer auto (config.model_tokenizer) takes the tokenizer/
+    """GRPO's --init_from may be a pretraining run: data.tokenizer auto (grpo.model_tokenizer) takes the tokenizer/
     that run's latest checkpoint saved, from the run dir, its checkpoints/ dir or the step dir; nothing where the
     checkpoint has none or the path is no checkpoint. A resume whose checkpoint recorded the bundled tokenizer's path
     while the recipe now says auto (and finds no other) is no data change. [fails if: auto misses a checkpoint's
     tokenizer/, or "auto" against the bundled path is warned about as another tokenizer]"""
-    from engine.config import BUNDLED_TOKENIZER, model_tokenizer
+    from engine.config import BUNDLED_TOKENIZER
+    from engine.grpo import model_tokenizer
 
     saved(tmp_path)
     tag = tmp_path / "checkpoints" / checkpoint.tag_for(10)
