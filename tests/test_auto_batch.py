@@ -186,6 +186,28 @@ def test_the_vocabulary_term_covers_the_measured_peaks():
     assert checked == 4
 
 
+def test_pretraining_auto_on_an_80gb_card_picks_what_ran_and_covers_its_peaks():
+    """One H100 80GB (79.2 GiB as device_memory_gib gave it), deepseek_2b6 at 129,280 through bin/pretrain.py with
+    zero2.json and zero3.json as shipped (docs/bench/grpo_speed/h100_1205_b/vp/): "auto" ran micro-batch 4 x 16 under
+    both. The model, sized for that card, picks 4 (8 predicted over the usable memory) and predicts at least each
+    measured peak, by at most 5 GiB more (66.9 against 64.3, 65.7 against 61.2). [fails if: the model under-predicts
+    a peak that ran, or picks another micro-batch on the card it ran on]"""
+    from engine.auto_batch import AutoBatch
+
+    rows = [json.loads(line) for line in open(ROOT / "docs" / "bench" / "grpo_speed" / "h100_1205_b" / "vp" /
+                                             "vocab_pretrain.jsonl")]
+    assert {r["ds_config"] for r in rows} == {"zero2.json", "zero3.json"}
+    recipe = load_recipe(RECIPES / "deepseek_2b6.yaml")
+    for row in rows:
+        raw = read_ds_config(ROOT / "ds_configs" / row["ds_config"])
+        auto = AutoBatch(memory_gib=79.2)
+        micro, _, problem = auto.pick_micro(raw, recipe, 1, "cuda")
+        assert problem is None and micro == row["micro"] == 4, (row["label"], micro, problem)
+        predicted = auto.peak_gib(raw, recipe, 1, micro, "cuda")
+        assert predicted == pytest.approx(row["predicted_peak_gib"], abs=0.05), (row["label"], predicted)
+        assert row["peak_gib"] <= predicted <= row["peak_gib"] + 5.0, (row["label"], row["peak_gib"], predicted)
+
+
 def test_parameter_counts_match_the_built_models():
     """The analytic count the memory model uses, against transformers' own build on the meta device."""
     import torch
