@@ -113,7 +113,8 @@ def auto_tokenizer(recipe: Recipe, init_from: str | None) -> str:
     recorded = (((saved or {}).get("recipe") or {}).get("data") or {}).get("tokenizer")
     if isinstance(recorded, str) and recorded != "auto" and Path(recorded).is_dir():
         return recorded
-    return model_tokenizer(init_from) or "auto"
+    found = model_tokenizer(init_from)
+    return str(Path(found).resolve()) if found else "auto"  # absolute: a resume from elsewhere finds it
 
 
 def model_tokenizer(init_from: str | None) -> str | None:
