@@ -117,6 +117,15 @@ def auto_tokenizer(recipe: Recipe, init_from: str | None) -> str:
     return str(Path(found).resolve()) if found else "auto"  # absolute: a resume from elsewhere finds it
 
 
+def names_tokenizer(config: str | None) -> bool:
+    """Whether the recipe file sets data.tokenizer to a tokenizer (not auto). load_recipe fills auto from
+    model.init_from's directory; GRPO's --init_from, where given, is the model the run starts from instead."""
+    import yaml
+
+    data = (yaml.safe_load(Path(config).read_text()) or {}).get("data") if config else None
+    return isinstance(data, dict) and data.get("tokenizer") not in (None, "auto")
+
+
 def model_tokenizer(init_from: str | None) -> str | None:
     """The tokenizer saved with --init_from's model: a Hugging Face directory's own files, or the tokenizer/ of a
     pretraining run's, checkpoints/ dir's or step dir's checkpoint (its latest tag); None where there is none."""
@@ -281,6 +290,8 @@ def preflight(args, world: World):
     if problem:
         raise ConfigError("; ".join(problems + [problem]))
     init = resolve_init(init_from, recipe)
+    if args.init_from and recipe.model.init_from and not names_tokenizer(args.config):
+        recipe = replace(recipe, data=replace(recipe.data, tokenizer="auto"))  # auto: --init_from's, not model.init_from's
     if recipe.data.tokenizer == "auto":  # the tokenizer saved with the policy --init_from loads
         recipe = replace(recipe, data=replace(recipe.data, tokenizer=auto_tokenizer(recipe, init_from)))
     tok = load_tokenizer(recipe.data.tokenizer)

@@ -558,3 +558,17 @@ def test_a_resume_from_an_older_checkpoint_says_it_ignores_init_from(tmp_path, c
     assert f"note: --init_from {tmp_path / 'other'} is not used" in out and str(start) in out, out
     assert resumed_init(str(start), resuming(run)) == (str(start), None)
     assert "note:" not in capsys.readouterr().out
+
+
+def test_init_from_decides_the_tokenizer_over_the_recipes_model(tmp_path):
+    """A GRPO recipe with model.init_from (its directory holding a 490-token tokenizer) run with --init_from another
+    model (495 tokens of its own): data.tokenizer auto takes --init_from's, the model the run starts from; a recipe
+    that names model.init_from's tokenizer keeps it. [fails if: auto stays on model.init_from's tokenizer, or a named
+    tokenizer is replaced]"""
+    recipe_model = save_tiny_hf(tmp_path / "recipe_model", 490, tokenizer=True)
+    policy = save_tiny_hf(tmp_path / "policy", 495, tokenizer=True)
+    model = {"init_from": str(recipe_model)}
+    r, _, tok, *_ = run_preflight(tmp_path, "--init_from", policy, model=model)
+    assert (r.data.tokenizer, len(tok)) == (str(policy), 495)
+    r, _, tok, *_ = run_preflight(tmp_path, "--init_from", policy, model=model, data={"tokenizer": str(recipe_model)})
+    assert (r.data.tokenizer, len(tok)) == (str(recipe_model), 490)
