@@ -943,7 +943,8 @@ def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | No
     sampling = SamplingConfig(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
                               n_samples_per_prompt=g.group_size)
     rows = []
-    if step >= recipe.train.max_steps or budget_spent(generated, g):
+    finished = step >= recipe.train.max_steps or budget_spent(generated, g)  # by the checkpoint resumed: a note says so
+    if finished:
         print0(checkpoint.nothing_to_train(step, f"train.max_steps ({recipe.train.max_steps})"
                                            if step >= recipe.train.max_steps
                                            else f"grpo.max_generated_tokens ({g.max_generated_tokens})"))
@@ -981,7 +982,7 @@ def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | No
         if stop:
             print0(f"stopped by {saver.why()} after step {step}; saved, continue with --resume")
             break
-    if budget_spent(generated, g):
+    if budget_spent(generated, g) and not finished:
         print0(f"grpo.max_generated_tokens {g.max_generated_tokens} reached after step {step}: {generated:.0f} "
                "tokens generated")
     saver.close()
