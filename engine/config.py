@@ -141,9 +141,9 @@ class TrainConfig:
     around the layer (engine/pretrain.py compile_layers; not yet measured on a GPU, so auto does not take it).
     false: never. All of this is pretraining's. bin/grpo.py: auto compiles the policy's parameter-free functions
     under ZeRO-3 on CUDA and nothing else (layers eager under every stage); true compiles the policy's decoder
-    layers, AutoEP eager, for any sequence length (compile_layers with dynamic shapes; on one H100 3% shorter steps
-    under ZeRO-2 and none under ZeRO-3, for a minute more of step 1, so auto does not take it); the reference's layers
-    stay eager."""
+    layers, AutoEP eager, for any sequence length (compile_layers with dynamic shapes; measured on one H100 to gain
+    little or nothing for a longer step 1, docs/benchmarks.md, so auto does not take it); the reference's layers stay
+    eager."""
 
 
 @dataclass

@@ -170,6 +170,20 @@ def test_the_routing_agreement_is_on_every_row(runs):
         assert all(0 <= row["train_padding_frac"] < 1 for row in info["rows"][1:]), info["rows"]
 
 
+@pytest.mark.parametrize("kind", ["local", "engine"])
+def test_reward_std_is_over_both_ranks_rewards(runs, kind):
+    """The metrics row's reward_std on 2 ranks is the standard deviation (n - 1) of both ranks' rewards together, the
+    same on each rank. [fails if: it is a mean of each rank's own standard deviation, or a rank's own]"""
+    import statistics
+
+    a, b = runs[kind]
+    steps = [row for row in a["rows"] if "reward_std" in row]
+    assert len(steps) == len(a["step_rewards"]) == len(b["step_rewards"]) == 2
+    for i, (row_a, row_b) in enumerate(zip(steps, [row for row in b["rows"] if "reward_std" in row])):
+        both = a["step_rewards"][i] + b["step_rewards"][i]
+        assert row_a["reward_std"] == pytest.approx(statistics.stdev(both), abs=1e-9) == row_b["reward_std"], (i, both)
+
+
 def test_local_rollouts_finish_at_different_lengths_without_a_hang(runs):
     a, b = runs["local"]
     assert a["rollout_class"] == b["rollout_class"] == "DecoderRollout"

@@ -7,7 +7,7 @@ its functions to record what the tests check, per rank, in OUT/rank{r}.json:
     reference engine: several ranks), and the reference's class
   - every rollout: greedy or sampled, how many decode steps it ran, each completion's length, and the
     torch.distributed collectives called during it
-  - the metric rows train() returned
+  - the metric rows train() returned, and this rank's rewards of each step
   - at the first update: the log-probs the loss received (policy and reference) against those of the sampling
     distribution (a plain copy's logits / grpo.temperature) at the sampled tokens
   - local rollouts: greedy tokens of the persistent decoder against transformers' generate on a plain copy of the
@@ -227,6 +227,14 @@ def main() -> None:
                     sampling_vs_ref_logp=diff(ref_logp[m], want[m]), untempered_vs_sampling_logp=diff(at_one[m], want[m]))
         return out
 
+    grpo_step, rewards_seen = grpo.grpo_step, []
+
+    def grpo_step_recorded(run, *args):  # this rank's rewards of each step, for the metrics row's reward_std
+        row = grpo_step(run, *args)
+        rewards_seen.append(run.last_reward.tolist())
+        return row
+
+    grpo.grpo_step = grpo_step_recorded
     grpo.build_reference, grpo.build_rollout = build_reference_recorded, build_rollout_recorded
     grpo.old_logps, grpo.policy_loss, grpo.policy_update = old_logps_recorded, policy_loss_recorded, policy_update_recorded
     builds = Decoder.builds  # a process-wide count: this process may have run other jobs (tests/scripts/pool.py)
@@ -234,7 +242,7 @@ def main() -> None:
         rows = grpo.train(recipe, ds, tok, prompts, evals, rewards, init, world)
     finally:
         grpo.build_reference, grpo.build_rollout, grpo.old_logps = build_reference, build_rollout, old_logps
-        grpo.policy_loss, grpo.policy_update = policy_loss, policy_update
+        grpo.policy_loss, grpo.policy_update, grpo.grpo_step = policy_loss, policy_update, grpo_step
     info["decoder_builds"] = Decoder.builds - builds
     if hasattr(seen["rollout"], "decoder"):  # after the last optimizer step: refresh, then compare again
         seen["rollout"].sync_weights(0)
@@ -243,7 +251,7 @@ def main() -> None:
     policy, ref = seen["policy"], seen["ref"]
     r = grpo.left_pad(TEXTS, tok, policy.device)
     pol_after, ref_after = logits(policy, r), logits(ref, r)
-    info.update(rows=rows, rollouts=rollouts,
+    info.update(rows=rows, rollouts=rollouts, step_rewards=rewards_seen,
                 ref_after_vs_before=diff(ref_after, seen["ref_before"]),
                 policy_after_vs_before=diff(pol_after, seen["policy_before"]), policy_after=pol_after.tolist(),
                 ref_vs_policy_after=diff(ref_after, pol_after),
