@@ -447,6 +447,28 @@ def report_error(e: Exception, world: World) -> None:
         print_error(f"error on {socket.gethostname()} (rank {world.rank}): {e}")
 
 
+def out_of_memory(e: BaseException, ds: dict, built: bool, levers: str) -> str:
+    """One line for a device out-of-memory error: where it happened, what torch could not allocate against what was
+    free, the batch that ran, and what to change (`levers`: the command's own, after the batch size)."""
+    import re
+
+    msg = str(e)
+    tried = re.search(r"Tried to allocate ([\d.]+ \w+)", msg)
+    free = re.search(r"total capacity of ([\d.]+ \w+) of which ([\d.]+ \w+) is free", msg)
+    said = (f": {tried.group(1)} wanted" if tried else "") + (
+        f", {free.group(2)} free of {free.group(1)}" if free and tried else
+        f": {free.group(2)} free of {free.group(1)}" if free else "")
+    micro, accum = ds.get("train_micro_batch_size_per_gpu"), ds.get("gradient_accumulation_steps", 1)
+    if not built:
+        return (f"out of device memory while building the model and its DeepSpeed engine{said}: its weights, gradients "
+                "and optimizer states do not fit on this GPU; use a DeepSpeed config that partitions or offloads "
+                "them (ds_configs/zero3.json on several GPUs, zero2_bf16_states.json or zero3_offload.json on one; "
+                "docs/configs.md), or a smaller model")
+    return (f"out of device memory while training at micro-batch {micro} x accumulation {accum}{said} (peak "
+            f"{peak_memory_gib():.1f} GiB allocated); lower train_micro_batch_size_per_gpu in the DeepSpeed config "
+            f"and raise gradient_accumulation_steps to keep the batch, {levers}")
+
+
 def peak_memory_gib() -> float:
     """This rank's peak accelerator memory; on the CPU accelerator the process's peak RSS (the kernel's own maximum:
     DeepSpeed's CPU accelerator only samples RSS when asked, and misses what was freed in between)."""
@@ -482,8 +504,13 @@ def main(argv=None) -> int:
     try:
         apply_memory_fraction(args.memory_fraction)
         check_ranks_agree(ds, world)
+        built = False
         engine, data = build(recipe, ds, tok, world)  # map-style data is read and tokenized here, on every rank
+        built = True
         rows = train(recipe, engine, data, tok, world)
+    except torch.OutOfMemoryError as e:
+        report_error(out_of_memory(e, ds, built, "or set train.activation_checkpointing: true in the recipe"), world)
+        return 1
     except ConfigError as e:  # bad data past preflight's sample, found on every rank
         report_error(e, world)
         return 2

@@ -649,3 +649,73 @@ def test_pretraining_takes_the_tokenizer_saved_with_model_init_from(tmp_path):
         r["model"] = {"init_from": str(hf)}
         got, _, tok = preflight_of(tmp_path, ZERO3, recipe=yaml.safe_dump(r))
         assert (got.data.tokenizer, len(tok)) == ((str(hf), 490) if with_tok else ("auto", 483))
+
+
+OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB "
+       "is free. Including non-PyTorch memory, this process has 78.12 GiB memory in use.")
+
+
+@pytest.mark.parametrize("where", ["build", "train"])
+def test_out_of_memory_is_one_line_naming_the_batch_and_the_fix(monkeypatch, tmp_path, where):
+    """bin/pretrain.py: a CUDA out-of-memory error while building the engine or while training ends the run with
+    exit 1 and one line: what torch could not allocate and what was free, and the fix for that phase (a config that
+    partitions or offloads; the micro-batch written lower, or checkpointing). [fails if: the error escapes as a
+    traceback, the exit is 0, or the line names the wrong phase's fix]"""
+    import engine.pretrain as pretrain
+
+    lines = []
+    monkeypatch.setattr(pretrain, "start_ranks", lambda world, problem: problem is None)
+    monkeypatch.setattr(pretrain, "print_error", lines.append)
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError(OOM)
+
+    if where == "build":
+        monkeypatch.setattr(pretrain, "build", oom)
+    else:
+        monkeypatch.setattr(pretrain, "build", lambda *a: (None, None))
+        monkeypatch.setattr(pretrain, "train", oom)
+    ds = write_ds(tmp_path / "ds.json", train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=2)
+    rc = pretrain.main(["--deepspeed_config", str(ds), "--run_dir", str(tmp_path / "run")])
+    assert rc == 1 and len(lines) == 1, lines
+    line = lines[0]
+    assert line.startswith("error: out of device memory while ") and "2.00 GiB wanted, 1.06 GiB free of 79.19 GiB" in line
+    if where == "build":
+        assert "building the model" in line and "zero2_bf16_states.json" in line and "micro-batch" not in line
+    else:
+        assert "at micro-batch 3 x accumulation 2" in line and "train_micro_batch_size_per_gpu" in line
+        assert "train.activation_checkpointing: true" in line
+
+
+@pytest.mark.parametrize("where", ["setup", "train"])
+def test_grpo_out_of_memory_tells_setup_from_training(monkeypatch, where):
+    """bin/grpo.py's main: an out-of-memory error raised inside grpo.setup (the engines and the decoder being built)
+    gets the build line; one raised later in the run, the batch line with GRPO's levers; exit 1 either way. [fails
+    if: the phase is read wrongly (every OOM as training, or as setup), or the error escapes]"""
+    import engine.grpo as grpo
+    from engine.config import load_recipe
+
+    lines = []
+    ds = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4}
+    monkeypatch.setattr(grpo, "preflight", lambda args, world: (load_recipe(None, {}), ds, None, [], [], None, None))
+    monkeypatch.setattr(grpo, "start_ranks", lambda world, problem: True)
+    monkeypatch.setattr(grpo, "check_ranks_agree", lambda ds, world: None)
+    monkeypatch.setattr(grpo, "print_error", lines.append, raising=False)
+    import engine.pretrain as pretrain
+
+    monkeypatch.setattr(pretrain, "print_error", lines.append)
+
+    def setup(*a, **k):
+        raise torch.OutOfMemoryError(OOM)
+
+    class Run:  # what setup built; the run's first use of it runs out of memory
+        def __getattr__(self, name):
+            setup()
+
+    monkeypatch.setattr(grpo, "setup", setup if where == "setup" else lambda *a, **k: Run())
+    rc = grpo.main(["--deepspeed_config", "unused.json"])
+    assert rc == 1 and len(lines) == 1, lines
+    if where == "setup":
+        assert "while building the model" in lines[0]
+    else:
+        assert "at micro-batch 8 x accumulation 4" in lines[0] and "grpo.max_new_tokens" in lines[0]

@@ -10,6 +10,8 @@
 # heads x (qk + v head dims): bin/bench.py's formula, computed here from engine.auto_batch.param_counts.
 #   bash docs/bench/vocab_pretrain.sh      (on the GPU machine, from the checkout, with .whl/ carried)
 #   VOCABS="32768" BENCH=0 bash docs/bench/vocab_pretrain.sh     (other vocabularies, pretraining rows only)
+#   VOCABS=129280 BENCH=0 DSS=zero3 TRAIN_SET="activation_checkpointing=true compile=true" TAG=_ac_c bash ...
+#     (DSS: the shipped files run, default "zero2 zero3"; TRAIN_SET: recipe train.* values; TAG: a label suffix)
 # Rows: $OUT/vocab_pretrain.jsonl; logs: $OUT/vocab_pretrain_logs.txt; bench table: $OUT/vocab_bench.jsonl.
 set -u
 OUT=${OUT:-/tmp/vocab_pretrain}; mkdir -p "$OUT"
@@ -19,11 +21,14 @@ python3 -c "from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuil
 mkdir -p /tmp/vp
 VOCABS=${VOCABS:-512 129280}
 for v in $VOCABS; do  # the shipped recipe at vocabulary v, end-of-run checkpoint off
-  python3 - "$v" <<'PY'
+  python3 - "$v" "${TRAIN_SET:-}" <<'PY'
 import sys, yaml
 v = int(sys.argv[1])
 raw = yaml.safe_load(open("engine/recipes/deepseek_2b6.yaml"))
 raw["model"]["vocab_size"] = v
+for kv in sys.argv[2].split():
+    k, _, val = kv.partition("=")
+    raw["train"][k] = yaml.safe_load(val)
 raw["checkpoint"] = {"at_end": False, "every_minutes": 0}
 yaml.safe_dump(raw, open(f"/tmp/vp/deepseek_2b6_v{v}.yaml", "w"))
 PY
@@ -71,7 +76,9 @@ bench() {  # bench LABEL VOCAB LIMIT [ARGS...]: bin/bench.py, zero3.json, micro-
   echo "== bench $label (exit $?)" >> "$LOG"; cat /tmp/vp/bench.log >> "$LOG"; tail -4 /tmp/vp/bench.log
 }
 name() { [ "$1" -lt 1000 ] && echo "$1" || echo "$(($1 / 1000))k"; }  # 129280 -> 129k
-for ds in zero2 zero3; do for v in $VOCABS; do pretrain "${ds/zero/z}_v$(name "$v")" "$ds.json" "$v" 150; done; done
+for ds in ${DSS:-zero2 zero3}; do for v in $VOCABS; do
+  pretrain "${ds/zero/z}_v$(name "$v")${TAG:-}" "$ds.json" "$v" "${T_RUN:-150}"
+done; done
 if [ "${BENCH:-1}" = 1 ]; then
   bench z3_m8_v129k_chunked 129280 90
   bench z3_m8_v129k_plain 129280 90 --plain_head
