@@ -890,7 +890,9 @@ def no_dropout(model: torch.nn.Module) -> None:
 def setup(recipe: Recipe, ds: dict, tok, rewards, prompts, evals, world: World) -> Run:
     """The policy engine, the reference engine (beta > 0) and the rollout engine."""
     g = recipe.grpo
-    torch.manual_seed(recipe.train.seed + world.rank)  # different samples on each rank
+    # One init on every rank, as in pretraining: with a random init (grpo.allow_random_init) each rank's AutoEP
+    # experts are then its slice of the same model, which DeepSpeed's start-up broadcast does not cover.
+    torch.manual_seed(recipe.train.seed)
     model = build_model(recipe.model, ds, tok, dtype=model_dtype(ds), device=_build_device(ds))
     no_dropout(model)
     if recipe.train.activation_checkpointing:  # as in pretraining; a replayed forward's recompute replays too
@@ -899,6 +901,8 @@ def setup(recipe: Recipe, ds: dict, tok, rewards, prompts, evals, world: World) 
     schedule = replace(t, max_steps=t.max_steps * g.iterations, warmup_steps=t.warmup_steps * g.iterations,
                        decay_steps=t.decay_steps and t.decay_steps * g.iterations)
     policy = build_engine(model, ds, schedule, lengths_vary=True)
+    if world.rank:  # different samples on each rank (rank 0 draws on from the build's stream)
+        torch.manual_seed(recipe.train.seed + world.rank)
     if recipe.train.compile is True:  # not "auto" until measured on a GPU: the parameter-free functions stay its default
         done = compile_layers(policy.module, dynamic=None)
         print0(f"compile: the policy's decoder layers and shared experts ({len(done)} functions; AutoEP eager), any "

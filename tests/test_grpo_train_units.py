@@ -183,7 +183,13 @@ class SetupCalls:
     def __init__(self, monkeypatch, moe=True, kind="local"):
         self.schedule = self.record = None
         model = SimpleNamespace(config=None, modules=lambda: [])
-        monkeypatch.setattr(grpo, "build_model", lambda *a, **k: model)
+        self.build_seed = None
+
+        def build_model(*a, **k):
+            self.build_seed = torch.initial_seed()
+            return model
+
+        monkeypatch.setattr(grpo, "build_model", build_model)
         monkeypatch.setattr(grpo, "no_dropout", lambda m: None)
         monkeypatch.setattr(grpo, "_build_device", lambda ds: "cpu")
         monkeypatch.setattr(grpo, "model_dtype", lambda ds: torch.float32)
@@ -209,9 +215,11 @@ class SetupCalls:
 
 @pytest.mark.parametrize("decay", [None, 7])
 def test_setup_scales_the_lr_schedule_by_the_iterations_and_seeds_by_rank(monkeypatch, tmp_path, decay):
-    """iterations 3: max_steps 4 -> 12, warmup 2 -> 6, decay_steps 7 -> 21 (unset stays unset); the torch seed is
-    train.seed + rank (rank 1); the rollout batch is micro 2 x accumulation 3. [fails if: a schedule field is not
-    scaled by grpo.iterations, an unset decay_steps is turned into a number, or every rank gets the same seed]"""
+    """iterations 3: max_steps 4 -> 12, warmup 2 -> 6, decay_steps 7 -> 21 (unset stays unset); the model is built
+    under train.seed on every rank (one random init), the samples after it under train.seed + rank (rank 1); the
+    rollout batch is micro 2 x accumulation 3. [fails if: a schedule field is not scaled by grpo.iterations, an unset
+    decay_steps is turned into a number, every rank gets the same sampling seed, or a rank's own seed is set before
+    the build]"""
     recipe = recipe_for(tmp_path, **{"grpo.iterations": 3, "train.warmup_steps": 2, "train.decay_steps": decay,
                                      "train.compile": False, "train.activation_checkpointing": False})
     calls = SetupCalls(monkeypatch)
@@ -219,7 +227,7 @@ def test_setup_scales_the_lr_schedule_by_the_iterations_and_seeds_by_rank(monkey
     s = calls.schedule
     assert (s.max_steps, s.warmup_steps, s.decay_steps) == (12, 6, None if decay is None else decay * 3)
     assert (s.lr, s.seed) == (recipe.train.lr, recipe.train.seed)
-    assert torch.initial_seed() == recipe.train.seed + 1
+    assert calls.build_seed == recipe.train.seed and torch.initial_seed() == recipe.train.seed + 1
     assert (run.micro, run.n_seq, calls.n_seq, run.ref) == (2, 6, 6, "ref")
 
 
