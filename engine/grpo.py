@@ -891,7 +891,8 @@ def setup(recipe: Recipe, ds: dict, tok, rewards, prompts, evals, world: World) 
     """The policy engine, the reference engine (beta > 0) and the rollout engine."""
     g = recipe.grpo
     # One init on every rank, as in pretraining: with a random init (grpo.allow_random_init) each rank's AutoEP
-    # experts are then its slice of the same model, which DeepSpeed's start-up broadcast does not cover.
+    # experts are then its slice of the same model (under ZeRO-1/2 DeepSpeed broadcasts experts only within an
+    # expert's data-parallel group; ZeRO-3's zero.Init broadcasts every weight from rank 0).
     torch.manual_seed(recipe.train.seed)
     model = build_model(recipe.model, ds, tok, dtype=model_dtype(ds), device=_build_device(ds))
     no_dropout(model)
