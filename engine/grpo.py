@@ -30,8 +30,8 @@ from .ds_config import BATCH_KEYS, read_ds_config, resolve_ds_config, whole_mode
 from .grpo_math import GRPOLossConfig, group_advantages, keep_mask, kl_k3, policy_loss
 from .metrics import DeviceClock, Metrics, print0
 from .model import build_model, make_hf_config
-from .pretrain import (check_ranks_agree, compile_layers, forget_zero3_for_transformers, out_of_memory,
-                       peak_memory_gib, report_error, start_ranks)
+from .pretrain import (check_ranks_agree, compile_layers, forget_zero3_for_transformers, is_out_of_memory,
+                       out_of_memory, peak_memory_gib, report_error, start_ranks)
 from .parallel import World, build_engine, device_kind, model_dtype, world_from_env
 from .rewards import build_rewards
 from .routing import Router, agreement, has_moe
@@ -935,8 +935,9 @@ def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | No
     recipe = replace(recipe, model=replace(recipe.model, init_from=init))  # checkpoints record the real source
     try:
         run = setup(recipe, ds, tok, rewards, prompts, evals, world)
-    except torch.OutOfMemoryError as e:
-        e.building = True  # main's error line: the engines did not fit, not the batch
+    except RuntimeError as e:
+        if is_out_of_memory(e):
+            e.building = True  # main's error line: the engines did not fit, not the batch
         raise
     state = checkpoint.load(run.policy, recipe.run_dir) if recipe.resume else {"step": 0, "position": 0, "tokens": 0}
     step, n_prompts = state["step"], run.n_seq // g.group_size
@@ -1107,9 +1108,11 @@ def main(argv=None) -> int:
         dist.barrier()
     try:
         rows = train(recipe, ds, tok, prompts, evals, rewards, init, world, source, args.profile_step)
-    except torch.OutOfMemoryError as e:
-        report_error(out_of_memory(e, ds, not getattr(e, "building", False), "set train.activation_checkpointing: true in the recipe, or lower "
-                                   "grpo.max_new_tokens"), world)
+    except RuntimeError as e:
+        if not is_out_of_memory(e):
+            raise
+        levers = "set train.activation_checkpointing: true in the recipe, or lower grpo.max_new_tokens"
+        report_error(out_of_memory(e, ds, not getattr(e, "building", False), levers), world)
         return 1
     finally:
         forget_zero3_for_transformers()

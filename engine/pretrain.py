@@ -447,6 +447,12 @@ def report_error(e: Exception, world: World) -> None:
         print_error(f"error on {socket.gethostname()} (rank {world.rank}): {e}")
 
 
+def is_out_of_memory(e: BaseException) -> bool:
+    """torch's allocator error, or a CUDA library's own failed allocation (cuBLAS, NCCL: a RuntimeError saying so)."""
+    text = str(e)
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in text.lower() or "ALLOC_FAILED" in text
+
+
 def out_of_memory(e: BaseException, ds: dict, built: bool, levers: str) -> str:
     """One line for a device out-of-memory error: where it happened, what torch could not allocate against what was
     free, the batch that ran, and what to change (`levers`: the command's own, after the batch size)."""
@@ -508,15 +514,17 @@ def main(argv=None) -> int:
         engine, data = build(recipe, ds, tok, world)  # map-style data is read and tokenized here, on every rank
         built = True
         rows = train(recipe, engine, data, tok, world)
-    except torch.OutOfMemoryError as e:
-        report_error(out_of_memory(e, ds, built, "or set train.activation_checkpointing: true in the recipe"), world)
-        return 1
     except ConfigError as e:  # bad data past preflight's sample, found on every rank
         report_error(e, world)
         return 2
     except DataStop as e:  # bad data found by some ranks while streaming; each of them says what it could not read
         if e.error is not None:
             print_error(f"error: {e}")
+        return 1
+    except RuntimeError as e:
+        if not is_out_of_memory(e):
+            raise
+        report_error(out_of_memory(e, ds, built, "or set train.activation_checkpointing: true in the recipe"), world)
         return 1
     finally:
         forget_zero3_for_transformers()

@@ -655,20 +655,25 @@ OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capaci
        "is free. Including non-PyTorch memory, this process has 78.12 GiB memory in use.")
 
 
-@pytest.mark.parametrize("where", ["build", "train"])
+@pytest.mark.parametrize("where", ["build", "train", "library", "other"])
 def test_out_of_memory_is_one_line_naming_the_batch_and_the_fix(monkeypatch, tmp_path, where):
     """bin/pretrain.py: a CUDA out-of-memory error while building the engine or while training ends the run with
     exit 1 and one line: what torch could not allocate and what was free, and the fix for that phase (a config that
-    partitions or offloads; the micro-batch written lower, or checkpointing). [fails if: the error escapes as a
-    traceback, the exit is 0, or the line names the wrong phase's fix]"""
+    partitions or offloads; the micro-batch written lower, or checkpointing); a CUDA library's own failed allocation
+    ("library": a RuntimeError) too; any other RuntimeError is not taken for one. [fails if: the error escapes as a
+    traceback, the exit is 0, the line names the wrong phase's fix, or every RuntimeError is called out of memory]"""
     import engine.pretrain as pretrain
 
     lines = []
     monkeypatch.setattr(pretrain, "start_ranks", lambda world, problem: problem is None)
     monkeypatch.setattr(pretrain, "print_error", lines.append)
 
+    error = {"library": RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"),
+             "other": RuntimeError("Expected all tensors to be on the same device")}
+    error = error.get(where, torch.OutOfMemoryError(OOM))
+
     def oom(*a, **k):
-        raise torch.OutOfMemoryError(OOM)
+        raise error
 
     if where == "build":
         monkeypatch.setattr(pretrain, "build", oom)
@@ -676,10 +681,19 @@ def test_out_of_memory_is_one_line_naming_the_batch_and_the_fix(monkeypatch, tmp
         monkeypatch.setattr(pretrain, "build", lambda *a: (None, None))
         monkeypatch.setattr(pretrain, "train", oom)
     ds = write_ds(tmp_path / "ds.json", train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=2)
-    rc = pretrain.main(["--deepspeed_config", str(ds), "--run_dir", str(tmp_path / "run")])
+    argv = ["--deepspeed_config", str(ds), "--run_dir", str(tmp_path / "run")]
+    if where == "other":
+        with pytest.raises(RuntimeError, match="same device"):
+            pretrain.main(argv)
+        return
+    rc = pretrain.main(argv)
     assert rc == 1 and len(lines) == 1, lines
     line = lines[0]
-    assert line.startswith("error: out of device memory while ") and "2.00 GiB wanted, 1.06 GiB free of 79.19 GiB" in line
+    assert line.startswith("error: out of device memory while ")
+    if where == "library":
+        assert line.startswith("error: out of device memory while training at micro-batch 3 x accumulation 2 (peak")
+        return
+    assert "2.00 GiB wanted, 1.06 GiB free of 79.19 GiB" in line
     if where == "build":
         assert "building the model" in line and "zero2_bf16_states.json" in line and "micro-batch" not in line
     else:

@@ -19,6 +19,7 @@ json.dump(c, open('/tmp/oom/$ds.json', 'w'))"
     --run_dir "/tmp/oom/run_$ds" > /tmp/oom/out.txt 2> /tmp/oom/err.txt
   rc=$?
   gpu_settle "--run_dir /tmp/oom/run_$ds"
-  { echo "== $ds, micro ${MICRO:-64} x 1: exit $rc; traceback printed: $(grep -c Traceback /tmp/oom/err.txt /tmp/oom/out.txt \
-      | tr '\n' ' ')"; tail -3 /tmp/oom/err.txt; } | tee -a "$OUT/oom_line.txt"
+  tracebacks=$(cat /tmp/oom/err.txt /tmp/oom/out.txt | grep -c Traceback)
+  { echo "== $ds, micro ${MICRO:-64} x 1: exit $rc; tracebacks printed: $tracebacks"; tail -3 /tmp/oom/err.txt; } \
+    | tee -a "$OUT/oom_line.txt"
 done
