@@ -22,13 +22,15 @@ import torch  # noqa: E402
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default=str(ROOT / "engine" / "recipes" / "grpo_2b6.yaml"))
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--new_tokens", type=int, default=256)
-    ap.add_argument("--calls", type=int, default=3)
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--top_p", type=float, default=1.0)
-    ap.add_argument("--no_compile", action="store_true")
+    ap.add_argument("--config", default=str(ROOT / "engine" / "recipes" / "grpo_2b6.yaml"),
+                    help="the GRPO recipe whose model is decoded (random init; default grpo_2b6.yaml)")
+    ap.add_argument("--batch", type=int, default=64, help="rows decoded together (default 64)")
+    ap.add_argument("--new_tokens", type=int, default=256, help="tokens each row decodes, forced (default 256)")
+    ap.add_argument("--calls", type=int, default=3,
+                    help="generate calls before the weights change (the first compiles; default 3)")
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 is greedy (default 1)")
+    ap.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling's mass (default 1: off)")
+    ap.add_argument("--no_compile", action="store_true", help="decode eagerly (no compiled step, no CUDA graphs)")
     ap.add_argument("--decode_experts", help="grpo.decode_experts to use instead of the recipe's")
     ap.add_argument("--profile", action="store_true", help="print the device kernels of one call, by time")
     ap.add_argument("--tree", action="store_true", help="then tree rollouts (grpo.tree defaults, greedy) on a second "

@@ -234,7 +234,7 @@ def save(engine, recipe: Recipe, state: dict, tokenizer=None) -> Path:
 EXPORTER_POINTER = '''#!/usr/bin/env python3
 """Written by moe-engine in place of DeepSpeed's script, which cannot export this engine's checkpoints (AutoEP
 experts, Hugging Face names). It runs moe-engine's exporter, bin/zero_to_fp32 (docs/checkpoints.md):
-    python {name} CHECKPOINT_DIR OUTPUT_DIR [--tag TAG] [--dtype fp32|bf16] [--max_shard_size 2GB] [--force]
+    python {name} CHECKPOINT_DIR OUTPUT_DIR [--tag TAG] [--dtype fp32|bf16] [--max_shard_size 2GB] [--force] [--quiet]
 CHECKPOINT_DIR: this folder (the checkpoint `latest` names), one step_* folder in it, or the run dir. OUTPUT_DIR gets
 config.json, sharded *.safetensors and the tokenizer: AutoModelForCausalLM.from_pretrained(OUTPUT_DIR) loads it.
 """

@@ -1,6 +1,7 @@
 """The recipe: typed, validated all at once, every problem reported in one message.
 
-A recipe is a YAML file with four sections (model, data, train, checkpoint), each a dataclass below.
+A recipe is a YAML file with five sections (model, data, train, checkpoint, grpo), each a dataclass below, and the
+top-level run_dir and resume.
 Command-line overrides (--max_steps, --data, ...) are applied before validation, so a bad override is
 reported like a bad YAML value.
 """
@@ -176,7 +177,9 @@ class CheckpointConfig:
     every_steps: int = 0
     """Save every N optimizer steps (0 = only at the end)."""
     every_minutes: float = 0.0
+    """Also save when this many minutes have passed since the last save (0 = never by time)."""
     keep_last: int = 2
+    """Keep the newest N complete checkpoints; older ones are removed after each save."""
     at_end: bool = True
     """Also save after the last step."""
 

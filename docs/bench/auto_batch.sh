@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 18: the shipped zero2.json / zero3.json ("auto" micro-batch and accumulation) on one H200, uncapped and
+# The shipped zero2.json / zero3.json ("auto" micro-batch and accumulation) on one H200, uncapped and
 # capped at 80 GB (--memory_fraction 0.5596), deepseek_2b6 with bin/bench.py (10 timed steps after 3), and
 # deepseek_5b3's refusal under the cap. Rows: $OUT/auto_batch.jsonl; logs: $OUT/auto_batch_logs.txt.
 #   bash docs/bench/auto_batch.sh        # on the GPU machine, after the .whl install lines

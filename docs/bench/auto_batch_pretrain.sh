@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 18, must-show 1 with bin/pretrain.py itself: the shipped zero2.json / zero3.json ("auto" micro-batch and
+# Through bin/pretrain.py itself: the shipped zero2.json / zero3.json ("auto" micro-batch and
 # accumulation) on one H200, uncapped and capped at 80 GB (--memory_fraction 0.5596), deepseek_2b6 and deepseek_5b3.
 # Each run: STEPS optimizer steps (default 20), a metrics row every 5; tokens/s is the mean of the rows after the
 # first (the first row holds the compile and warm-up steps). The recipes are the shipped ones with only the end-of-run

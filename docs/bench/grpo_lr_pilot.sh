@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The learning rate of grpo_arith*.yaml, chosen on TRAIN prompts (issue 15: no tuning on the held-out ones), in one
-# short device call. Session 8's first call (docs/bench/grpo_task.sh, train.lr 3e-4) lowered held-out accuracy from
+# The learning rate of grpo_arith*.yaml, chosen on TRAIN prompts (no tuning on the held-out ones), in one
+# short device call. The first call of 2026-12-01 (docs/bench/grpo_task.sh, train.lr 3e-4) lowered held-out accuracy from
 # 39% to 5-11% in every variant, the training reward falling with it: a step size problem, so this pilot compares lrs.
 #   1. pretrain engine/recipes/arith_small.yaml for its max_steps (no checkpoint scan); the DeepSpeed configs are
 #      copies with "torch_adam": true (torch's AdamW: no FusedAdam JIT build on a fresh machine; the same update rule)
@@ -11,7 +11,7 @@
 #   4. a table: dev accuracy before, along the way and at the end, training reward and KL at the end, per lr;
 #      the lr to choose: the highest mean dev accuracy over the last 3 evals (200 prompts are noisy: ~3.5 points sd)
 #   bash docs/bench/grpo_lr_pilot.sh
-# Session 8 ran it once with BUDGET_S=185: pretraining took 118 s (no JIT build) and the export 21 s, so the pilots
+# Run once (2026-12-01) with BUDGET_S=185: pretraining took 118 s (no JIT build) and the export 21 s, so the pilots
 # were cut after 31 s, before their first step: no result (docs/bench/s8/pilot_console.txt). Give it BUDGET_S >= 330,
 # or INIT_FROM=<an HF dir, e.g. the unpacked init_hf.tgz of a former call> to skip pretraining (then ~150 s).
 # Run on the 2-core CPU (fp32, docs/bench/s8/cpu/zero2_grpo_cpu.json, INIT_FROM, two lrs per call): about 250-350 s a

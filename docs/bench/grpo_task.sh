@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 15's comparison in ONE device call on one H200: pretrain engine/recipes/arith_small.yaml until the arithmetic
+# The comparison of docs/bench/arith_task.md in ONE device call on one H200: pretrain engine/recipes/arith_small.yaml until the arithmetic
 # task is partly learned, then plain GRPO, curriculum, tree rollouts and both (engine/recipes/grpo_arith*.yaml),
 # 3 seeds each, all at one budget of generated tokens (grpo.max_generated_tokens), and the tree-rollout agreement
 # check of bin/decode_bench.py (bf16 and fp32) on the side.

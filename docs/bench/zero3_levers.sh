@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 18, session 8: ZeRO-3 + AutoEP levers on one H200 (deepseek_2b6, zero3.json as shipped: "auto" = 16 x 4),
+# ZeRO-3 + AutoEP levers on one H200 (deepseek_2b6, zero3.json as shipped: "auto" = 16 x 4),
 # the DeepCompile reproduction, and the 50-step loss of "auto" against a written batch. One bin/bench.py run per row
 # ($OUT/levers.jsonl), a timeout per run, every run cut so the call ends inside BUDGET_S; the table at the end.
 #   bash docs/bench/zero3_levers.sh levers   # repro (3 cases, side by side), then the levers, then loss_auto_16x4
