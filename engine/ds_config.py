@@ -25,9 +25,11 @@ The file goes to DeepSpeed as written. The only values the engine fills in are o
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import re
+import typing
 from pathlib import Path
 
 from .config import ConfigError, Recipe
@@ -72,6 +74,89 @@ def misspelled_keys(cfg: dict) -> list[str]:
         if near:
             out.append(f"{key}: not a DeepSpeed setting (DeepSpeed would ignore it); did you mean {near[0]}?")
     return out
+
+
+def section_key_problems(cfg: dict) -> list[str]:
+    """A line per key inside a section that DeepSpeed does not read. Its own models refuse any such key with a
+    traceback on every rank after start-up (zero_optimization and its offload subsections, bf16, fp16, compile), and
+    so does the Adam optimizer it builds (optimizer.params: a TypeError), so those are refused whatever the key;
+    AutoEP's parser ignores one silently (expert_parallel), so there only a key close to one it reads is refused, as
+    at the top level. Each line names the nearest known key."""
+    import difflib
+
+    import pydantic
+    from deepspeed.compile.config import CompileConfig
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    def near(key, known) -> str:
+        found = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+        return f"; did you mean {found[0]}?" if found else "; remove it"
+
+    def names(model) -> list[str]:  # a pydantic model's keys, aliases included
+        return sorted({n for name, f in model.model_fields.items() for n in (name, f.alias) if n})
+
+    def model_at(model, loc):  # the pydantic model a nested key belongs to (offload_optimizer.device: its own)
+        for part in loc[:-1]:
+            field = model.model_fields.get(part) or next((f for f in model.model_fields.values() if f.alias == part),
+                                                         None)
+            kinds = [t for t in (field.annotation, *typing.get_args(field.annotation)) if isinstance(t, type)
+                     and issubclass(t, pydantic.BaseModel)] if field else []
+            if not kinds:
+                return None
+            model = kinds[0]
+        return model
+
+    out = []
+    for section, model in (("zero_optimization", DeepSpeedZeroConfig), ("bf16", DeepSpeedBF16Config),
+                           ("fp16", DeepSpeedFP16Config), ("compile", CompileConfig)):
+        if not isinstance(cfg.get(section), dict):
+            continue
+        try:
+            model(**cfg[section])
+        except pydantic.ValidationError as e:
+            for err in e.errors():
+                if err["type"] == "extra_forbidden":
+                    owner = model_at(model, err["loc"])
+                    key = ".".join(map(str, (section, *err["loc"])))
+                    out.append(f"{key}: not a DeepSpeed setting{near(err['loc'][-1], names(owner) if owner else [])}")
+        except Exception:  # noqa: BLE001  (a value DeepSpeed's own validators reject: its message at start-up)
+            pass
+    ep = cfg.get("expert_parallel")
+    if isinstance(ep, dict):
+        from deepspeed.module_inject.auto_ep_config import AutoEPConfig
+
+        known = [f.name for f in dataclasses.fields(AutoEPConfig) if not f.name.startswith("_")]
+        out += [f"expert_parallel.{k}: not a DeepSpeed setting (AutoEP would ignore it){near(k, known)}"
+                for k in ep if k not in known and difflib.get_close_matches(str(k), known, n=1, cutoff=0.8)]
+    opt = cfg.get("optimizer")
+    params = opt.get("params") if isinstance(opt, dict) else None
+    if isinstance(params, dict) and str(opt.get("type", "")).lower() in ("adam", "adamw"):
+        known = adam_params()
+        out += [f"optimizer.params.{k}: not a parameter of DeepSpeed's Adam optimizers{near(k, known)}"
+                for k in params if k not in known]
+    return out
+
+
+def adam_params() -> list[str]:
+    """What optimizer.params may hold for type Adam/AdamW: the keys DeepSpeed takes itself and the parameters of every
+    Adam it may build (FusedAdam, DeepSpeedCPUAdam with offload, torch's AdamW/Adam with torch_adam)."""
+    import inspect
+
+    import torch
+
+    classes = [torch.optim.AdamW, torch.optim.Adam]
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+        classes += [FusedAdam, DeepSpeedCPUAdam]
+    except ImportError:
+        pass
+    keys = {"adam_w_mode", "torch_adam", "fp32_optimizer_states", "foreach"}
+    for c in classes:
+        keys |= {n for n, p in inspect.signature(c.__init__).parameters.items()
+                 if n not in ("self", "params", "model_params") and p.kind == p.POSITIONAL_OR_KEYWORD}
+    return sorted(keys)
 
 
 # ZeRO-3's gather settings where the file says "auto": (single rank, otherwise). On a single rank a ZeRO-3 gather is a
@@ -124,6 +209,7 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, ranks_per_node
     p += [f"{k}.{sub}: must be an object ({{...}}), not {json.dumps(cfg[k][sub])}" for k, subs in SUBSECTIONS.items()
           if isinstance(cfg.get(k), dict) for sub in subs if cfg[k].get(sub) is not None
           and not isinstance(cfg[k][sub], dict)]
+    p += section_key_problems(cfg) if not p else []
     if p:  # what follows reads these as objects
         raise ConfigError(f"{where}: " + "; ".join(p))
     if (cfg.get("bf16") or {}).get("enabled") and (cfg.get("fp16") or {}).get("enabled"):

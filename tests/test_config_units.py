@@ -9,8 +9,8 @@ import engine
 from engine import auto_batch as ab
 from engine.auto_batch import AutoBatch, param_counts
 from engine.config import RECIPES, ConfigError, load_recipe
-from engine.ds_config import (auto_autoep_size, compile_blocker, misspelled_keys, read_ds_config,
-                              resolve_ds_config)
+from engine.ds_config import (auto_autoep_size, compile_blocker, misspelled_keys, read_ds_config, resolve_ds_config,
+                              section_key_problems)
 
 ROOT = Path(engine.__file__).resolve().parents[1]
 ZERO2, ZERO3, PIPE = (ROOT / "ds_configs" / n for n in ("zero2.json", "zero3.json", "pipe.json"))
@@ -252,3 +252,33 @@ def test_an_offload_ratio_outside_0_to_1_is_refused(ratio):
     assert f"zero_optimization.offload_optimizer.ratio ({ratio!r}) must be a number from 0 to 1" in _refused(raw)
     raw["zero_optimization"]["offload_optimizer"]["ratio"] = 0.3
     resolve_ds_config(raw, tiny(), world_size=1, ranks_per_node=1, auto_batch=AutoBatch())
+
+
+def test_keys_deepspeed_does_not_read_inside_its_sections_are_refused_before_start():
+    """A misspelled key inside zero_optimization (and its offload subsection), bf16, an Adam's optimizer.params and
+    expert_parallel is one line naming the nearest known key, before any rank starts; DeepSpeed itself stops every
+    rank on the first ones after start-up with a traceback and silently ignores the last (a misspelled autoep_size
+    trains without the expert-parallel size asked for). A key far from any known one is refused where DeepSpeed
+    would stop on it, and left alone in expert_parallel. Every shipped file passes. [fails if: nested sections are
+    not checked, a suggestion is wrong, a subsection's key is checked against its parent's names, or a foreign
+    key in expert_parallel is refused]"""
+    raw = read_ds_config(ZERO3)
+    raw["zero_optimization"]["stage3_prefech_bucket_size"] = 1
+    raw["zero_optimization"]["offload_optimizer"] = {"devise": "cpu"}
+    raw["bf16"]["enabeld"] = True
+    raw["optimizer"]["params"].update(weight_decy=0.1, zzz=1)
+    raw["expert_parallel"].update(autoep_sise=2, my_note="x")
+    line = _refused(raw)
+    for part in ("zero_optimization.stage3_prefech_bucket_size: not a DeepSpeed setting; did you mean "
+                 "stage3_prefetch_bucket_size?", "zero_optimization.offload_optimizer.devise: not a DeepSpeed setting; "
+                 "did you mean device?", "bf16.enabeld: not a DeepSpeed setting; did you mean enabled?",
+                 "optimizer.params.weight_decy: not a parameter of DeepSpeed's Adam optimizers; did you mean "
+                 "weight_decay?", "optimizer.params.zzz: not a parameter of DeepSpeed's Adam optimizers; remove it",
+                 "expert_parallel.autoep_sise: not a DeepSpeed setting (AutoEP would ignore it); did you mean "
+                 "autoep_size?"):
+        assert part in line, (part, line)
+    assert "my_note" not in line
+    for path in sorted((ROOT / "ds_configs").glob("*.json")):
+        assert section_key_problems(read_ds_config(path)) == [], path
+    sgd = {"type": "SGD", "params": {"momentum": 0.9}}  # another optimizer's own parameters are its business
+    assert section_key_problems({"optimizer": sgd}) == []
