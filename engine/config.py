@@ -478,6 +478,33 @@ def weights_problem(d: Path) -> str | None:
         if gone:
             return (f"{found[0]} names {len(gone)} shard file(s) that are not there ({', '.join(gone[:3])}"
                     f"{', ...' if len(gone) > 3 else ''}): copy them in, or save the model again")
+    else:
+        shards = [found[0]]
+    for name in shards:
+        if name.endswith(".safetensors"):
+            cut = safetensors_problem(d / name)
+            if cut:
+                return f"{name} {cut}: copy it again, or save the model again"
+    return None
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Whether a safetensors file is whole, from its header alone (8 bytes of length, a JSON table of tensors and
+    their byte ranges): a copy or download cut short, which transformers reports in a traceback on every rank."""
+    import struct
+
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if 8 + n > size:
+                raise ValueError
+            header = json.loads(f.read(n))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (struct.error, ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return f"is not a readable safetensors file ({size:,} bytes, its header cut or damaged)"
+    if 8 + n + end > size:
+        return f"is cut short: {size:,} of the {8 + n + end:,} bytes its header describes"
     return None
 
 

@@ -271,6 +271,38 @@ def test_a_model_dir_without_its_weights_is_refused_in_one_line(tmp_path, capfd,
                          "(model-00002-of-00002.safetensors): copy them in, or save the model again")
 
 
+def test_a_weights_file_cut_short_is_refused_in_one_line(tmp_path, capfd, monkeypatch):
+    """A safetensors file whose copy stopped early (its header says more bytes than the file holds, or the header
+    itself is cut): transformers stopped every rank with a SafetensorError traceback, exit 1. Refused before any rank
+    starts, by model.init_from and by bin/grpo.py's --init_from, whole or sharded; a whole file passes. [fails if: a
+    file is taken as whole by its name alone, or a shard named by the index is not read]"""
+    from engine.grpo import main
+
+    init = save_tiny("deepseek_v2", tmp_path / "hf")
+    weights = init / "model.safetensors"
+    whole = weights.stat().st_size
+    assert load_recipe_ok(tmp_path, init)
+    with open(weights, "r+b") as f:
+        f.truncate(whole - 100)
+    line = recipe_problem(tmp_path, f"model: {{init_from: {init}}}\n")
+    assert line.endswith(f"model.init_from {init}: model.safetensors is cut short: {whole - 100:,} of the {whole:,} "
+                         "bytes its header describes: copy it again, or save the model again"), line
+    p = run_in_process(main, ["--deepspeed_config", ROOT / "ds_configs" / "zero3_grpo.json", "--init_from", init,
+                              "--run_dir", tmp_path / "run"], capfd, monkeypatch,
+                       RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, LOCAL_SIZE=1)
+    lines = [x for x in p.stderr.splitlines() if x.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and "model.safetensors is cut short" in lines[0], p.stderr
+    assert not (tmp_path / "run").exists()
+    with open(weights, "r+b") as f:  # the header itself cut: 8 bytes of length and part of the JSON
+        f.truncate(40)
+    weights.rename(init / "model-00001-of-00001.safetensors")
+    index = {"weight_map": {"a": "model-00001-of-00001.safetensors"}}
+    (init / "model.safetensors.index.json").write_text(json.dumps(index))
+    line = recipe_problem(tmp_path, f"model: {{init_from: {init}}}\n")
+    assert line.endswith("model-00001-of-00001.safetensors is not a readable safetensors file (40 bytes, its header cut "
+                         "or damaged): copy it again, or save the model again"), line
+
+
 def test_the_family_and_sizes_are_read_from_a_config_only_dir(tmp_path):
     """GRPO's "auto" batch writes the model's config.json alone to a temporary dir and reads its sizes with
     model_from_hf_dir: the weights check belongs to the recipe and --init_from, not there."""
