@@ -40,6 +40,14 @@ def load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
     name = BUNDLED_TOKENIZER if name == "auto" else name
+    where = Path(name).expanduser()
+    if name.startswith(("/", ".", "~")) and not where.is_dir():
+        raise ConfigError(f"data.tokenizer {name}: {'not a directory' if where.exists() else 'no such directory'}; "
+                          "point it at a directory saved with save_pretrained (tokenizer.json and its config), a "
+                          "Hugging Face hub name, or auto (the model's own, else the bundled one)")
+    if where.is_dir() and not any(any(where.glob(g)) for g in ("tokenizer*", "*.model", "vocab.*", "merges.txt")):
+        raise ConfigError(f"data.tokenizer {name}: the directory has no tokenizer files (tokenizer.json, "
+                          "tokenizer_config.json, ...); point it at a directory saved with save_pretrained, or auto")
     try:
         tok = AutoTokenizer.from_pretrained(name)
     except Exception as e:  # noqa: BLE001  (transformers raises many kinds)

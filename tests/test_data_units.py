@@ -96,3 +96,23 @@ def test_a_score_that_is_a_boolean_or_nan_is_refused(tmp_path, value, shown):
                    curriculum=DataCurriculumConfig(mode="score", score_column="difficulty"))
     with pytest.raises(ConfigError, match=rf"row 2 of {path} has {shown}, not a finite number"):
         build_data(d, load_tokenizer(d.tokenizer), 0, 1, 5)
+
+
+def test_a_tokenizer_path_that_is_not_a_tokenizer_says_which(tmp_path):
+    """data.tokenizer as a path: one that does not exist, a file, and a directory without tokenizer files each get
+    a line saying so and how to fix it (they said transformers' "Repo id must be in the form 'repo_name'" or
+    "Couldn't instantiate the backend tokenizer from one of:"); the bundled directory and auto still load. [fails
+    if: a missing path reaches transformers, or a real tokenizer directory is refused]"""
+    from engine.data import BUNDLED_TOKENIZER
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file.txt").write_text("x")
+    cases = {tmp_path / "nope": "no such directory", tmp_path / "file.txt": "not a directory",
+             tmp_path / "empty": "the directory has no tokenizer files"}
+    for path, says in cases.items():
+        with pytest.raises(ConfigError) as e:
+            load_tokenizer(str(path))
+        assert str(e.value).startswith(f"data.tokenizer {path}: {says}"), str(e.value)
+        assert "save_pretrained" in str(e.value)
+    assert load_tokenizer(str(BUNDLED_TOKENIZER)).eos_token_id is not None
+    assert load_tokenizer("auto").eos_token_id is not None
