@@ -242,12 +242,20 @@ def test_an_unsupported_model_type_is_refused(tmp_path, model_type, expect):
     assert expect in recipe_problem(tmp_path, f"model: {{init_from: {tmp_path / 'hf'}}}\n")
 
 
+def grpo_from(init, tmp_path, capfd, monkeypatch):
+    """bin/grpo.py --init_from INIT in this process (one rank): the process result and its non-empty stderr lines."""
+    from engine.grpo import main
+
+    p = run_in_process(main, ["--deepspeed_config", ROOT / "ds_configs" / "zero3_grpo.json", "--init_from", init,
+                              "--run_dir", tmp_path / "run"], capfd, monkeypatch,
+                       RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, LOCAL_SIZE=1)
+    return p, [x for x in p.stderr.splitlines() if x.strip()]
+
+
 def test_a_model_dir_without_its_weights_is_refused_in_one_line(tmp_path, capfd, monkeypatch):
     """A save cut short (seen on the GPU machine: a timeout killed it while writing shards) leaves config.json alone;
     transformers reported that only in a traceback from every rank after GRPO had started. Refused before any rank
     starts, by model.init_from and by bin/grpo.py's --init_from; a sharded save's index naming a missing shard too."""
-    from engine.grpo import main
-
     init = save_tiny("deepseek_v2", tmp_path / "hf")
     weights = init / "model.safetensors"
     assert weights.is_file()
@@ -257,10 +265,7 @@ def test_a_model_dir_without_its_weights_is_refused_in_one_line(tmp_path, capfd,
     assert line.endswith(f"model.init_from {init}: no weights next to config.json (none of model.safetensors, "
                     "model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.index.json; a save that was "
                     "cut short leaves config.json alone): save the model again, or point at a complete model directory")
-    p = run_in_process(main, ["--deepspeed_config", ROOT / "ds_configs" / "zero3_grpo.json", "--init_from", init,
-                              "--run_dir", tmp_path / "run"], capfd, monkeypatch,
-                       RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, LOCAL_SIZE=1)
-    lines = [x for x in p.stderr.splitlines() if x.strip()]
+    p, lines = grpo_from(init, tmp_path, capfd, monkeypatch)
     assert p.returncode == 2 and len(lines) == 1 and "no weights next to config.json" in lines[0], p.stderr
     assert not (tmp_path / "run").exists()
     (init / "model.safetensors.index.json").write_text(json.dumps(
@@ -276,8 +281,6 @@ def test_a_weights_file_cut_short_is_refused_in_one_line(tmp_path, capfd, monkey
     itself is cut): transformers stopped every rank with a SafetensorError traceback, exit 1. Refused before any rank
     starts, by model.init_from and by bin/grpo.py's --init_from, whole or sharded; a whole file passes. [fails if: a
     file is taken as whole by its name alone, or a shard named by the index is not read]"""
-    from engine.grpo import main
-
     init = save_tiny("deepseek_v2", tmp_path / "hf")
     weights = init / "model.safetensors"
     whole = weights.stat().st_size
@@ -287,10 +290,7 @@ def test_a_weights_file_cut_short_is_refused_in_one_line(tmp_path, capfd, monkey
     line = recipe_problem(tmp_path, f"model: {{init_from: {init}}}\n")
     assert line.endswith(f"model.init_from {init}: model.safetensors is cut short: {whole - 100:,} of the {whole:,} "
                          "bytes its header describes: copy it again, or save the model again"), line
-    p = run_in_process(main, ["--deepspeed_config", ROOT / "ds_configs" / "zero3_grpo.json", "--init_from", init,
-                              "--run_dir", tmp_path / "run"], capfd, monkeypatch,
-                       RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, LOCAL_SIZE=1)
-    lines = [x for x in p.stderr.splitlines() if x.strip()]
+    p, lines = grpo_from(init, tmp_path, capfd, monkeypatch)
     assert p.returncode == 2 and len(lines) == 1 and "model.safetensors is cut short" in lines[0], p.stderr
     assert not (tmp_path / "run").exists()
     with open(weights, "r+b") as f:  # the header itself cut: 8 bytes of length and part of the JSON
