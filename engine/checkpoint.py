@@ -356,30 +356,51 @@ def lr_schedule(recipe: Recipe) -> tuple[Recipe, list[str]]:
     saved = saved_state(recipe.run_dir) if recipe.resume else None
     lines += data_change(recipe, saved)
     old = (saved or {}).get("recipe", {}).get("train")
-    if not isinstance(old, dict) or not isinstance(saved.get("step"), int):
-        return recipe, lines
+    if not isinstance(old, dict) or not isinstance(saved.get("step"), int) or saved["step"] >= t.max_steps:
+        return recipe, lines  # nothing recorded to compare, or nothing left to train (a note says so)
     then = dataclasses.replace(t, **{k: old[k] for k in SCHEDULE if k in old})
-    length = lambda x: x.decay_steps or x.max_steps  # noqa: E731
-    if (then.warmup_steps, length(then), then.min_lr_ratio) == (t.warmup_steps, length(t), t.min_lr_ratio):
-        return recipe, lines
+    old_lr = old["lr"] if isinstance(old.get("lr"), (int, float)) and not isinstance(old.get("lr"), bool) else t.lr
     step = saved["step"]
     was, now = lr_multiplier(then)(step), lr_multiplier(t)(step)  # step + 1's LR (LambdaLR counts from 0)
-    jump = f"the LR would jump from {t.lr * was:.4g} to {t.lr * now:.4g} at step {step + 1}"
+    if old_lr != t.lr:  # checkpoint.load puts this recipe's LR under the restored schedule (use_recipe_lr)
+        lines.append(f"note: --resume with train.lr {t.lr:g} (the checkpoint's run: {old_lr:g}): this run's LR is used "
+                     f"from step {step + 1}")
+    length = lambda x: x.decay_steps or x.max_steps  # noqa: E731
+    if (then.warmup_steps, length(then), then.min_lr_ratio) == (t.warmup_steps, length(t), t.min_lr_ratio):
+        if old_lr != t.lr:
+            lines[-1] += f" under the same schedule (the LR goes from {old_lr * was:.4g} to {t.lr * now:.4g})"
+        return recipe, lines
+    jump = f"the LR would jump from {old_lr * was:.4g} to {t.lr * now:.4g} at step {step + 1}"
     same = (then.warmup_steps, then.min_lr_ratio) == (t.warmup_steps, t.min_lr_ratio)
+    why = (f"train.max_steps {t.max_steps} (the checkpoint's run: {then.max_steps})" if t.max_steps != then.max_steps
+           else f"train.decay_steps unset (the checkpoint's run: {then.decay_steps})")
     if t.decay_steps is None and same and abs(was - now) <= 1e-9 * max(abs(was), abs(now)):
-        lines.append(f"note: --resume with train.max_steps {t.max_steps} (the checkpoint's run: {then.max_steps}) "
-                     f"takes this run's LR schedule from step {step + 1}, where it has the checkpoint's LR "
-                     f"({t.lr * now:.4g}): warmup to step {t.warmup_steps}, then cosine to step {length(t)}")
+        lines.append(f"note: --resume with {why} takes this run's LR schedule from step {step + 1}, where it has "
+                     f"the checkpoint's multiplier ({t.lr * now:.4g}): warmup to step {t.warmup_steps}, then cosine "
+                     f"to step {length(t)}")
     elif t.decay_steps is None and same:
         recipe = dataclasses.replace(recipe, train=dataclasses.replace(t, decay_steps=length(then)))
-        lines.append(f"note: --resume with train.max_steps {t.max_steps} (the checkpoint's run: {then.max_steps}) keeps "
-                     f"its LR schedule: cosine to step {length(then)}, then {t.lr * t.min_lr_ratio:.4g}; set "
-                     f"train.decay_steps: {t.max_steps} to stretch it instead ({jump})")
+        lines.append(f"note: --resume with {why} keeps its LR schedule: cosine to step {length(then)}, then "
+                     f"{t.lr * t.min_lr_ratio:.4g}; set train.decay_steps: {t.max_steps} to stretch it instead ({jump})")
     else:
         lines.append(f"warning: --resume with another LR schedule than the checkpoint's (warmup_steps "
                      f"{then.warmup_steps} -> {t.warmup_steps}, length {length(then)} -> {length(t)}, min_lr_ratio "
                      f"{then.min_lr_ratio} -> {t.min_lr_ratio}): {jump.replace('would jump', 'jumps')}")
     return recipe, lines
+
+
+def use_recipe_lr(engine, lr: float) -> bool:
+    """After a load: the recipe's train.lr under the restored schedule. DeepSpeed restores the LR scheduler's base LRs
+    (the checkpoint's train.lr) and each parameter group's current LR, so a resume with another train.lr went on at
+    the old one while its schedule note named the new one. Returns whether anything changed."""
+    sched = getattr(engine, "lr_scheduler", None)
+    if sched is None or not hasattr(sched, "base_lrs") or all(b == lr for b in sched.base_lrs):
+        return False
+    sched.base_lrs = [lr] * len(sched.base_lrs)
+    for group, factor in zip(sched.optimizer.param_groups, sched.lr_lambdas):
+        group["initial_lr"] = lr
+        group["lr"] = lr * factor(sched.last_epoch)  # what the next update uses, as LambdaLR's own step sets it
+    return True
 
 
 DATA_KEYS = ("path", "name", "split", "seq_len", "text_field", "tokenizer", "streaming", "seed", "curriculum")
@@ -590,8 +611,9 @@ def to_universal(run_dir: str | Path) -> Path:
     return out
 
 
-def load(engine, run_dir: str | Path) -> dict:
-    """Restore engine state, this rank's RNG and the routing biases from `latest`; returns the client state."""
+def load(engine, run_dir: str | Path, lr: float | None = None) -> dict:
+    """Restore engine state, this rank's RNG and the routing biases from `latest`; returns the client state. `lr`:
+    the recipe's train.lr, which replaces the checkpoint's under the restored schedule (use_recipe_lr)."""
     root = ckpt_dir(run_dir)
     tag = latest(run_dir)
     if tag is None:
@@ -618,6 +640,8 @@ def load(engine, run_dir: str | Path) -> dict:
             if torch.is_tensor(state.get("step")):
                 state["step"] = state["step"].clone()
     _rebuild_cpu_adam_products(engine)
+    if lr is not None:
+        use_recipe_lr(engine, lr)
     rng_file = root / tag / f"rng_rank{dist.get_rank()}.pt"
     if rng_file.is_file():  # a rank beyond the saved world size keeps its seeded RNG
         _restore_rng(torch.load(rng_file, weights_only=False))  # our own file: python/numpy states are no tensors

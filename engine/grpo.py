@@ -939,7 +939,8 @@ def train(recipe: Recipe, ds: dict, tok, prompts, evals, rewards, init: str | No
         if is_out_of_memory(e):
             e.building = True  # main's error line: the engines did not fit, not the batch
         raise
-    state = checkpoint.load(run.policy, recipe.run_dir) if recipe.resume else {"step": 0, "position": 0, "tokens": 0}
+    state = (checkpoint.load(run.policy, recipe.run_dir, recipe.train.lr) if recipe.resume
+             else {"step": 0, "position": 0, "tokens": 0})
     step, n_prompts = state["step"], run.n_seq // g.group_size
     generated = state["tokens"]  # GRPO's checkpoints count generated tokens (over ranks) in "tokens"
     # Prompts consumed over all ranks; checkpoints before prompts_done existed hold only the data position

@@ -284,7 +284,8 @@ def train(recipe: Recipe, engine, data, tok, world: World) -> list[dict]:
     from deepspeed.accelerator import get_accelerator
 
     balance = ExpertBalance(engine.module, recipe.train.balance_rate, **pipeline.balance_layout(engine))
-    state = checkpoint.load(engine, recipe.run_dir) if recipe.resume else {"step": 0, "position": 0, "tokens": 0}
+    state = (checkpoint.load(engine, recipe.run_dir, recipe.train.lr) if recipe.resume
+             else {"step": 0, "position": 0, "tokens": 0})
     step, position, tokens = state["step"], state["position"], state["tokens"]
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     tokens_per_step = engine.train_batch_size() * recipe.data.seq_len

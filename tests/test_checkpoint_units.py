@@ -7,6 +7,7 @@ import json
 import time
 
 import pytest
+import torch
 
 from engine import checkpoint
 from engine.checkpoint import (MANIFEST, Cadence, check_resume, damage, lr_schedule, no_latest, recorded_batch,
@@ -168,3 +169,60 @@ def test_data_tokenizer_auto_finds_a_checkpoints_tokenizer(tmp_path):
     was = {"recipe": {"data": dataclasses.asdict(DataConfig(tokenizer=BUNDLED_TOKENIZER))}}
     assert checkpoint.data_change(dataclasses.replace(recipe(tmp_path), data=DataConfig()), was) == []
     assert checkpoint.data_change(dataclasses.replace(recipe(tmp_path), data=DataConfig(tokenizer="/t")), was)
+
+
+def test_a_resume_with_another_lr_trains_at_it_under_the_restored_schedule():
+    """DeepSpeed restores the LR scheduler's base LRs and each group's LR from the checkpoint, so a resume with a
+    new train.lr trained at the old one while the schedule note named the new one. use_recipe_lr: the group's LR is
+    the new base times the schedule where it stands, and every later step follows the new base; the old base gives
+    what it gave before. [fails if: only base_lrs is set (the next update still at the old LR), or the schedule's
+    position is reset]"""
+    from types import SimpleNamespace
+
+    from engine.checkpoint import use_recipe_lr
+    from engine.parallel import warmup_cosine
+
+    mult = warmup_cosine(2, 10, 0.1)
+
+    def engine_at(lr, state=None):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=lr)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, mult)
+        if state is not None:
+            sched.load_state_dict(state)
+            opt.param_groups[0]["lr"] = 3e-3 * mult(sched.last_epoch)  # as the optimizer's state dict restores it
+        return SimpleNamespace(lr_scheduler=sched, optimizer=opt)
+
+    old = engine_at(3e-3)
+    for _ in range(5):
+        old.optimizer.step()
+        old.lr_scheduler.step()
+    state = old.lr_scheduler.state_dict()
+    same = engine_at(3e-3, state)
+    assert use_recipe_lr(same, 3e-3) is False and same.optimizer.param_groups[0]["lr"] == pytest.approx(3e-3 * mult(5))
+    new = engine_at(1e-2, state)
+    assert use_recipe_lr(new, 1e-2) is True
+    assert new.lr_scheduler.last_epoch == 5
+    for step in range(5, 9):
+        assert new.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * mult(step)), step
+        new.optimizer.step()
+        new.lr_scheduler.step()
+
+
+def test_the_schedule_note_names_a_changed_lr_and_says_nothing_when_nothing_is_left(tmp_path):
+    """A resume with another train.lr: one note with both LRs, and the jump in LR (not multiplier) it makes; a
+    resume whose checkpoint has reached max_steps gets no schedule note (the nothing-to-train note follows).
+    [fails if: the LR change is not named, the jump is computed with the new LR on both sides, or a finished run
+    gets a schedule note]"""
+    train = dataclasses.asdict(dataclasses.replace(TrainConfig(), max_steps=100, warmup_steps=10, lr=3e-3))
+    saved(tmp_path, 50, recipe={"train": train})
+    r = recipe(tmp_path, max_steps=100, warmup_steps=10)
+    r = dataclasses.replace(r, train=dataclasses.replace(r.train, lr=1e-2))
+    _, lines = lr_schedule(r)
+    assert len(lines) == 1 and lines[0].startswith("note: --resume with train.lr 0.01 (the checkpoint's run: 0.003): "
+                                                   "this run's LR is used from step 51 under the same schedule"), lines
+    from engine.parallel import lr_multiplier
+
+    m = lr_multiplier(r.train)(50)
+    assert f"the LR goes from {3e-3 * m:.4g} to {1e-2 * m:.4g}" in lines[0], lines
+    saved(tmp_path / "done", 100, recipe={"train": train})
+    assert lr_schedule(recipe(tmp_path / "done", max_steps=100, warmup_steps=20))[1] == []

@@ -49,7 +49,7 @@ class Fakes:
         monkeypatch.setattr(grpo, "grpo_step", grpo_step)
         monkeypatch.setattr(grpo, "evaluate", evaluate)
         monkeypatch.setattr(grpo.checkpoint, "save", lambda engine, recipe, st, tok=None: self.saves.append(dict(st)))
-        monkeypatch.setattr(grpo.checkpoint, "load", lambda engine, run_dir: dict(state))
+        monkeypatch.setattr(grpo.checkpoint, "load", lambda engine, run_dir, lr=None: dict(state))
         self.world = world
         self.prompts = [{"id": i} for i in range(N_PROMPTS)]
 
