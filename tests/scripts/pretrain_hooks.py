@@ -90,8 +90,8 @@ def main() -> int:
 
     load = checkpoint.load
 
-    def recording_load(engine, run_dir):
-        state = load(engine, run_dir)
+    def recording_load(engine, run_dir, lr=None):
+        state = load(engine, run_dir, lr)
         info["resumed"] = state
         info["bias_after_resume"] = {name: b.tolist() for name, b in engine.module.named_buffers()
                                      if name.endswith("e_score_correction_bias")}
