@@ -241,8 +241,10 @@ def row_problem(row, fields: dict) -> str | None:
     if not isinstance(row, dict):
         return f"is a JSON {type(row).__name__}, not an object with {' and '.join(map(repr, fields))}"
     for k, kinds in fields.items():
-        if k not in row or row[k] is None:
+        if k not in row:
             return f"has no {k!r} (keys: {sorted(row)})"
+        if row[k] is None:
+            return f"has no {k!r} (null)"
         if not isinstance(row[k], kinds) or isinstance(row[k], bool):
             return (f"has {k!r} = {json.dumps(row[k])[:40]}, a {type(row[k]).__name__}, not a "
                     + " or ".join("string" if t is str else "number" for t in kinds[:2]))

@@ -525,7 +525,8 @@ def evaluate(run: "Run", evals) -> dict:
     """Mean rewards (total and each) of greedy completions of the held-out prompts; each rank scores its share."""
     world, device = run.world, run.device
     mine = evals[world.rank::world.size]
-    sums = torch.zeros(2 + len(run.rewards.labels), device=device)  # total, each reward, count
+    n = len(run.rewards.labels)
+    sums = torch.zeros(2 + 2 * n, device=device)  # total, each reward, each reward's failures, count
     # A rank without a share still generates (evals[:1], not scored): engine rollouts decode in lockstep.
     run.rollout.sync_weights(0)
     batch = run.rollout.generate(left_pad([r["prompt"] for r in mine or evals[:1]], run.tok, device),
@@ -533,11 +534,16 @@ def evaluate(run: "Run", evals) -> dict:
     run.rollout.shutdown()
     if mine:
         scores = run.rewards.score([r["prompt"] for r in mine], completions(batch, run.tok), [r["answer"] for r in mine])
+        for label, msg in scores.first_error.items():  # as in training (score): counted, scored 0, said once here
+            print(f"warning: held-out evaluation, rank {world.rank}: reward {label} failed on {scores.failures[label]} "
+                  f"of {len(mine)} prompts (scored 0); first error: {msg}", file=sys.stderr, flush=True)
         sums += torch.tensor([float(scores.total.sum())] + [float(scores.per_reward[k].sum()) for k in run.rewards.labels]
-                             + [len(mine)], device=device)
+                             + [float(scores.failures.get(k, 0)) for k in run.rewards.labels] + [len(mine)], device=device)
     dist.all_reduce(sums)
-    means = (sums[:-1] / sums[-1]).tolist()
-    return {"eval_reward": means[0], **{f"eval_reward_{k}": v for k, v in zip(run.rewards.labels, means[1:])}}
+    means = (sums[:1 + n] / sums[-1]).tolist()
+    failed = sums[1 + n:-1].tolist()
+    return {"eval_reward": means[0], **{f"eval_reward_{k}": v for k, v in zip(run.rewards.labels, means[1:])},
+            **{f"eval_reward_{k}_failures": f for k, f in zip(run.rewards.labels, failed) if f}}
 
 
 @dataclass
@@ -697,9 +703,16 @@ def response_tokens(r: Rollouts) -> float:
 
 def skip_update(run: Run) -> None:
     """No optimizer step for this GRPO step (nothing to learn from on any rank); the LR schedule still advances
-    by the step's `iterations` optimizer steps, so it stays a function of the GRPO step."""
-    for _ in range(run.g.iterations):
-        run.policy.lr_scheduler.step()
+    by the step's `iterations` optimizer steps, so it stays a function of the GRPO step. torch warns when a
+    scheduler steps before its optimizer ever has (a first step skipped): intended here, so that warning alone is
+    not shown."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before "
+                                r"`optimizer\.step\(\)`")
+        for _ in range(run.g.iterations):
+            run.policy.lr_scheduler.step()
 
 
 def policy_update(run: Run, r: Rollouts, adv, old, refl, count: float) -> tuple[dict[str, float], dict[str, float]]:
@@ -864,7 +877,9 @@ def metrics_row(run: Run, r: Rollouts, scores, reward, stats: dict, phases: dict
     if skipped:
         row["loss"] = 0.0
     else:
-        row["kl"] = row.pop("kl_mean", 0.0)
+        kl = row.pop("kl_mean", 0.0)
+        if run.g.beta > 0:  # with beta 0 there is no reference: no KL is computed, so none is reported
+            row["kl"] = kl
         row["entropy"] = row.pop("entropy_mean", 0.0)
     for label, vals in scores.per_reward.items():
         row[f"reward_{label}"] = _mean_all(float(vals.mean()))

@@ -224,6 +224,9 @@ def build_rewards(specs: list[dict], where: str = "rewards") -> RewardSet:
         problems += _check_builtin(fn, params, at)
         if _is_number(weight):
             rewards.append(Reward(label, fn, float(weight), params))
+    if not problems and all(r.weight == 0 for r in rewards):
+        problems.append(f"{where}: every weight is 0, so every completion's reward is 0 and GRPO learns nothing; "
+                        "give at least one reward a non-zero weight")
     if problems:
         raise ConfigError("; ".join(problems))
     return RewardSet(rewards)

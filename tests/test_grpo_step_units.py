@@ -160,6 +160,41 @@ def test_evaluate_scores_this_ranks_share_greedily_and_names_each_rewards_mean(m
                                  "eval_reward_length_penalty": -2.5})
 
 
+def test_evaluate_counts_a_reward_that_fails_and_says_so(monkeypatch, capsys):
+    """A reward that raises on a held-out prompt is scored 0, as in training, and now also counted
+    (eval_reward_picky_failures, summed over ranks: 2 ranks of 1 failure each) and said on stderr; a reward that never fails gets no failures key. It was silently 0. [fails if: failures are not
+    summed over ranks, are shifted against their labels, or the warning is not printed]"""
+    from engine.grpo import evaluate
+    from engine.rewards import build_rewards
+
+    twin_ranks(monkeypatch)
+
+    def generate(request, sampling):
+        ids = torch.tensor([CharTok()("ab")["input_ids"]] * request.prompt_ids.shape[0])
+        return SimpleNamespace(input_ids=torch.cat([request.prompt_ids, ids], 1),
+                               attention_mask=torch.cat([request.prompt_attention_mask, torch.ones_like(ids)], 1),
+                               response_start_idx=torch.full((ids.shape[0],), request.prompt_ids.shape[1]))
+
+    rollout = SimpleNamespace(sync_weights=lambda *a: None, generate=generate, shutdown=lambda: None)
+    rewards = build_rewards([{"name": "exact_match"}, {"name": "test_grpo_step_units:fails_on_c", "label": "picky"}])
+    run = SimpleNamespace(world=World(rank=0, size=2, local_size=2), device="cpu", rollout=rollout, tok=CharTok(),
+                          rewards=rewards, g=GRPOConfig(max_new_tokens=4))
+    evals = [{"prompt": "a", "answer": "ab"}, {"prompt": "b", "answer": "x"}, {"prompt": "c", "answer": "abc"},
+             {"prompt": "d", "answer": "y"}]  # rank 0 scores a and c: "ab" matches a's answer; picky fails on c
+    got = evaluate(run, evals)
+    assert got == pytest.approx({"eval_reward": 1.0, "eval_reward_exact_match": 0.5, "eval_reward_picky": 0.5,
+                                 "eval_reward_picky_failures": 2.0})
+    err = capsys.readouterr().err
+    assert "warning: held-out evaluation, rank 0: reward picky failed on 1 of 2 prompts (scored 0)" in err, err
+
+
+def fails_on_c(prompt, completion, answer):
+    """A reward function for the test above: 1 for every prompt but "c", on which it raises."""
+    if prompt == "c":
+        raise ValueError("no score for c")
+    return 1.0
+
+
 def test_rollout_micro_batches_are_packed_longest_first_and_remade_for_another_size():
     """Rollouts.micro_batches packs by default: rows sorted by where their tokens end, longest first, each
     micro-batch cut to the columns its rows use (rows 0 and 2 span columns 0-5; rows 3 and 1 start at column 1 and
@@ -423,7 +458,7 @@ def metrics_args(**kw):
     """metrics_row's arguments for ATTN on 2 identical ranks: 7 response tokens per rank (longest 3), rewards
     1, 0, 1, 1 (one reward failure), 2 s of rollout, phases 0.5 + 1.5 s, 3 forwards, iterations 2 x 2 micro-batches."""
     engine = Engine(TinyLM(), lr=0.1)
-    run = make_run(GRPOConfig(iterations=2), engine, rollout=kw.pop("rollout", SimpleNamespace()))
+    run = make_run(GRPOConfig(iterations=2, beta=0.04), engine, rollout=kw.pop("rollout", SimpleNamespace()))
     reward = torch.tensor([1.0, 0.0, 1.0, 1.0])
     scores = SimpleNamespace(per_reward={"exact_match": reward}, failures={"exact_match": 1})
     stats = {"loss": 1.2, "tokens": 7.0, "kl_mean": 0.35, "entropy_mean": 2.1, "clip_frac": 0.7}
@@ -458,9 +493,9 @@ def test_the_metrics_row_sums_counts_and_averages_means_over_ranks(monkeypatch):
 def test_the_metrics_row_of_the_decoder_a_tree_and_a_skipped_update(monkeypatch):
     """metrics_row: the local decoder reports its ms per decode step (20 ms over 4 steps) and its memory, not the
     rollout's ms per step; tree rollouts count the tree's generated tokens (shared prefixes once) and report no ms
-    per step; a skipped update has update_skipped 1, loss 0 and no kl or entropy.
-    [fails if: the decode time is not in ms, tree rollouts report the ms per step of chains, or a skipped row has
-    no loss]"""
+    per step; a skipped update has update_skipped 1, loss 0 and no kl or entropy; with beta 0 a row has no kl.
+    [fails if: the decode time is not in ms, tree rollouts report the ms per step of chains, a skipped row has
+    no loss, or a run without a reference reports a kl]"""
     from engine.grpo import metrics_row
 
     twin_ranks(monkeypatch)
@@ -474,6 +509,9 @@ def test_the_metrics_row_of_the_decoder_a_tree_and_a_skipped_update(monkeypatch)
     row = metrics_row(**{**args, "stats": {}, "phases": {}, "forwards": 0}, skipped=True)
     assert row["update_skipped"] == 1 and row["loss"] == 0.0
     assert not {"kl", "entropy", "kl_mean", "entropy_mean"} & set(row)
+    args["run"].g = GRPOConfig(iterations=2, beta=0.0)  # no reference: no KL to report (it read 0.0 every step)
+    row = metrics_row(**args)
+    assert not {"kl", "kl_mean"} & set(row) and row["entropy"] == pytest.approx(0.3)
 
 
 def step_run(dynamic: bool):
@@ -581,3 +619,23 @@ def test_reductions_over_ranks(monkeypatch):
     assert grpo._mean_all(1.5) == 1.5 and grpo._sum_all(1.5) == 3.0
     assert grpo._sum_all(1.5, grpo.dist.ReduceOp.MAX) == 1.5
     assert math.isclose(grpo.loss_stats({"loss": 2.0, "tokens": 5.0, "kl_mean": 1.0}, 4)["kl_mean"], 0.2)
+
+
+def test_a_first_step_skipped_advances_a_real_schedule_without_torchs_warning():
+    """skip_update on a real LambdaLR whose optimizer never stepped (dynamic sampling left nothing at step 1): the
+    schedule advances by the iterations, and torch's "lr_scheduler.step() before optimizer.step()" warning, printed
+    on every such run, is not shown; other warnings still are. [fails if: the filter is dropped or the schedule
+    does not advance]"""
+    import warnings
+
+    from engine.grpo import skip_update
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    run = SimpleNamespace(g=GRPOConfig(iterations=2), policy=SimpleNamespace(lr_scheduler=sched))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        skip_update(run)
+        warnings.warn("another warning")
+    assert [str(w.message) for w in seen] == ["another warning"]
+    assert sched.last_epoch == 2 and opt.param_groups[0]["lr"] == pytest.approx(1 / 3)

@@ -145,3 +145,13 @@ def test_mismatched_batch_lengths_raise():
         rs.score(["a", "b"], ["a", "b", "c"], ["a", "b", "c"])
     assert rs.labels == ["exact_match"]
     assert BUILTINS["format"] is regex  # "format" is the regex reward under its recipe name
+
+
+def test_rewards_whose_weights_are_all_zero_are_refused():
+    """Every weight 0: every total is 0, so every advantage is 0 and nothing is learned; the run went on silently.
+    One zero weight beside a non-zero one is fine (a reward logged but not trained on). [fails if: all-zero weights
+    pass, or a single zero weight is refused]"""
+    with pytest.raises(ConfigError, match=r"grpo.rewards: every weight is 0, so every completion's reward is 0"):
+        build_rewards([{"name": "numeric", "weight": 0}, {"name": "exact_match", "weight": 0.0}], where="grpo.rewards")
+    assert [r.weight for r in build_rewards([{"name": "numeric", "weight": 0}, {"name": "exact_match"}]).rewards] == \
+        [0.0, 1.0]
