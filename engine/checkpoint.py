@@ -375,9 +375,9 @@ def lr_schedule(recipe: Recipe) -> tuple[Recipe, list[str]]:
     why = (f"train.max_steps {t.max_steps} (the checkpoint's run: {then.max_steps})" if t.max_steps != then.max_steps
            else f"train.decay_steps unset (the checkpoint's run: {then.decay_steps})")
     if t.decay_steps is None and same and abs(was - now) <= 1e-9 * max(abs(was), abs(now)):
+        has = f"the checkpoint's LR ({t.lr * now:.4g})" if old_lr == t.lr else "the checkpoint's multiplier"
         lines.append(f"note: --resume with {why} takes this run's LR schedule from step {step + 1}, where it has "
-                     f"the checkpoint's multiplier ({t.lr * now:.4g}): warmup to step {t.warmup_steps}, then cosine "
-                     f"to step {length(t)}")
+                     f"{has}: warmup to step {t.warmup_steps}, then cosine to step {length(t)}")
     elif t.decay_steps is None and same:
         recipe = dataclasses.replace(recipe, train=dataclasses.replace(t, decay_steps=length(then)))
         lines.append(f"note: --resume with {why} keeps its LR schedule: cosine to step {length(then)}, then "
