@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -89,9 +90,13 @@ def section_key_problems(cfg: dict) -> list[str]:
     from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
+    def closest(key, known, cutoff: float = 0.6) -> str | None:
+        found = difflib.get_close_matches(str(key), known, n=1, cutoff=cutoff)
+        return found[0] if found else None
+
     def near(key, known) -> str:
-        found = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
-        return f"; did you mean {found[0]}?" if found else "; remove it"
+        found = closest(key, known)
+        return f"; did you mean {found}?" if found else "; remove it"
 
     def names(model) -> list[str]:  # a pydantic model's keys, aliases included
         return sorted({n for name, f in model.model_fields.items() for n in (name, f.alias) if n})
@@ -127,8 +132,8 @@ def section_key_problems(cfg: dict) -> list[str]:
         from deepspeed.module_inject.auto_ep_config import AutoEPConfig
 
         known = [f.name for f in dataclasses.fields(AutoEPConfig) if not f.name.startswith("_")]
-        out += [f"expert_parallel.{k}: not a DeepSpeed setting (AutoEP would ignore it){near(k, known)}"
-                for k in ep if k not in known and difflib.get_close_matches(str(k), known, n=1, cutoff=0.8)]
+        out += [f"expert_parallel.{k}: not a DeepSpeed setting (AutoEP would ignore it); did you mean {c}?"
+                for k in ep if k not in known and (c := closest(k, known, 0.8))]
     opt = cfg.get("optimizer")
     params = opt.get("params") if isinstance(opt, dict) else None
     if isinstance(params, dict) and str(opt.get("type", "")).lower() in ("adam", "adamw"):
@@ -138,7 +143,8 @@ def section_key_problems(cfg: dict) -> list[str]:
     return out
 
 
-def adam_params() -> list[str]:
+@functools.cache
+def adam_params() -> tuple[str, ...]:
     """What optimizer.params may hold for type Adam/AdamW: the keys DeepSpeed takes itself and the parameters of every
     Adam it may build (FusedAdam, DeepSpeedCPUAdam with offload, torch's AdamW/Adam with torch_adam)."""
     import inspect
@@ -156,7 +162,7 @@ def adam_params() -> list[str]:
     for c in classes:
         keys |= {n for n, p in inspect.signature(c.__init__).parameters.items()
                  if n not in ("self", "params", "model_params") and p.kind == p.POSITIONAL_OR_KEYWORD}
-    return sorted(keys)
+    return tuple(sorted(keys))
 
 
 # ZeRO-3's gather settings where the file says "auto": (single rank, otherwise). On a single rank a ZeRO-3 gather is a
