@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import ROOT, ZERO3, env, read_metrics, run_in_process, run_ranks, write_ds
 
@@ -238,6 +239,33 @@ def test_local_copy_equals_the_policy_on_two_ranks(runs):
         assert info["ep_size"] == [2, 2]
         check_local_copy(info["before"])
         check_local_copy(info["after"])  # the copy follows the updated policy too
+
+
+def test_a_random_init_is_one_model_on_two_expert_parallel_ranks(pretrained):
+    """grpo.allow_random_init (benchmarks) under ZeRO-2 with expert parallelism 2: DeepSpeed broadcasts the dense
+    weights from rank 0 but each expert only within its expert-data-parallel group (here one rank), so the ranks must
+    build one model for their expert slices to belong to it. The policy's logits before the first update equal a
+    1-rank run's (every expert on one rank); with a different init per rank they differ by far more than 1e-4."""
+    model = PRETRAIN.split("data:")[0]
+    before = {}
+    for ranks in (1, 2):
+        d = pretrained / f"random_init_{ranks}"
+        d.mkdir()
+        (d / "grpo.yaml").write_text(model + GRPO_RECIPE.replace("data: {", "data: {seq_len: 64, ")
+                                     .replace("PROMPTS", str(pretrained / "prompts.jsonl"))
+                                     .replace("rollout: KIND", "rollout: local, allow_random_init: true")
+                                     .replace("max_steps: 2", "max_steps: 1"))
+        ds = write_ds(d / "ds.json", base=ROOT / "ds_configs" / "zero2_grpo.json", drop=("bf16",),
+                      train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=1)
+        run_launcher(ranks, PROBE, "--out", d / "out", "--deepspeed_config", ds, "--config", d / "grpo.yaml",
+                     "--run_dir", d / "run", cwd=d)
+        infos = [json.loads((d / "out" / f"rank{r}.json").read_text()) for r in range(ranks)]
+        assert [i["ep_size"] for i in infos] == [[ranks, ranks]] * ranks  # experts split over the ranks
+        before[ranks] = [torch.tensor(i["policy_before"]) for i in infos]
+    one = before[1][0]
+    for got in before[2]:
+        assert got.shape == one.shape
+        assert (got - one).abs().max().item() < 1e-4, (got - one).abs().max().item()
 
 
 # ------------------------------------------------------------------------------ the persistent rollout decoder

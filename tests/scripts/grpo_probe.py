@@ -2,7 +2,8 @@
 (engine.grpo.preflight, then engine.grpo.train, which calls build_reference and build_rollout) and wraps two of
 its functions to record what the tests check, per rank, in OUT/rank{r}.json:
   - logits of the policy engine, the reference engine and a local rollout copy (engine.rollout.local_copy) on one
-    fixed input, right after the reference is built (before the first update) and again after training
+    fixed input, right after the reference is built (before the first update) and again after training (the
+    policy's own logits both times)
   - the largest difference between the reference's and the policy's local ZeRO-3 shards, before and after (a
     reference engine: several ranks), and the reference's class
   - every rollout: greedy or sampled, how many decode steps it ran, each completion's length, and the
@@ -168,6 +169,7 @@ def main() -> None:
         r = grpo.left_pad(TEXTS, tok, policy.device)
         seen["policy_before"], seen["ref_before"] = logits(policy, r), logits(ref, r)
         info["ref_vs_policy_before"] = diff(seen["ref_before"], seen["policy_before"])
+        info["policy_before"] = seen["policy_before"].tolist()
         engine_ref = hasattr(ref, "module")  # ZeRO-3 on several ranks; else a plain copy (grpo.build_reference)
         info["ref_kind"] = type(ref).__name__
         info["shards_before"] = shard_diff(policy, ref) if engine_ref else None
