@@ -393,7 +393,10 @@ def tree_problems(g: "GRPOConfig") -> list[str]:
 def bundled(p):
     """A relative path into the engine's bundled files (`engine/assets/...`, as the shipped recipes name their data
     from the checkout's root) found from any working directory, also when the engine is installed (`pip install .`)
-    and the working directory holds no `engine/`. Any other path, or one that exists as given, is kept as given."""
+    and the working directory holds no `engine/`; `~/...` is the user's home, as in a shell (a YAML file is read by
+    no shell, and transformers would take "~/model" for a hub name). Any other path is kept as given."""
+    if isinstance(p, str) and p.startswith("~"):
+        return str(Path(p).expanduser())
     if not isinstance(p, str) or not p.startswith("engine/") or Path(p).exists():
         return p
     found = ASSETS.parent.parent / p
@@ -444,6 +447,9 @@ def load_recipe(path: str | Path | None = None, overrides: dict | None = None) -
     if isinstance(recipe.data, DataConfig) and isinstance(recipe.grpo, GRPOConfig):
         recipe.data.path, recipe.data.tokenizer = bundled(recipe.data.path), bundled(recipe.data.tokenizer)
         recipe.grpo.eval_path = bundled(recipe.grpo.eval_path)
+    if isinstance(recipe.model, ModelConfig):
+        recipe.model.init_from = bundled(recipe.model.init_from)
+    recipe.run_dir = bundled(recipe.run_dir)
     if recipe.model.init_from is not None:
         problems += model_from_hf_dir(recipe.model) or hf_weights_problems(recipe.model.init_from)
         if isinstance(recipe.data, DataConfig) and recipe.data.tokenizer == "auto":

@@ -49,7 +49,7 @@ def load_tokenizer(name: str):
         raise ConfigError(f"data.tokenizer {name}: the directory has no tokenizer files (tokenizer.json, "
                           "tokenizer_config.json, ...); point it at a directory saved with save_pretrained, or auto")
     try:
-        tok = AutoTokenizer.from_pretrained(name)
+        tok = AutoTokenizer.from_pretrained(str(where) if where.is_dir() else name)  # transformers does not expand ~
     except Exception as e:  # noqa: BLE001  (transformers raises many kinds)
         raise ConfigError(f"data.tokenizer {name}: cannot load ({type(e).__name__}: {str(e).splitlines()[0]}); "
                           "point it at a tokenizer directory") from None

@@ -224,5 +224,9 @@ def test_the_schedule_note_names_a_changed_lr_and_says_nothing_when_nothing_is_l
 
     m = lr_multiplier(r.train)(50)
     assert f"the LR goes from {3e-3 * m:.4g} to {1e-2 * m:.4g}" in lines[0], lines
+    longer = dataclasses.replace(r, train=dataclasses.replace(r.train, max_steps=200))  # another LR and schedule
+    _, lines = lr_schedule(longer)
+    was, now = lr_multiplier(r.train)(50), lr_multiplier(longer.train)(50)
+    assert any(f"the LR would jump from {3e-3 * was:.4g} to {1e-2 * now:.4g} at step 51" in x for x in lines), lines
     saved(tmp_path / "done", 100, recipe={"train": train})
     assert lr_schedule(recipe(tmp_path / "done", max_steps=100, warmup_steps=20))[1] == []

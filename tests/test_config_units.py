@@ -255,10 +255,10 @@ def test_an_offload_ratio_outside_0_to_1_is_refused(ratio):
 
 
 def test_keys_deepspeed_does_not_read_inside_its_sections_are_refused_before_start():
-    """A misspelled key inside zero_optimization (and its offload subsection), bf16, an Adam's optimizer.params and
-    expert_parallel is one line naming the nearest known key, before any rank starts; DeepSpeed itself stops every
-    rank on the first ones after start-up with a traceback and silently ignores the last (a misspelled autoep_size
-    trains without the expert-parallel size asked for). A key far from any known one is refused where DeepSpeed
+    """A misspelled key inside zero_optimization (and its offload subsection), bf16, fp16, compile, an Adam's
+    optimizer.params and expert_parallel is one line naming the nearest known key, before any rank starts; DeepSpeed
+    itself stops every rank on the first ones after start-up with a traceback and silently ignores the last (a
+    misspelled autoep_size trains without the expert-parallel size asked for). A key far from any known one is refused where DeepSpeed
     would stop on it, and left alone in expert_parallel. Every shipped file passes. [fails if: nested sections are
     not checked, a suggestion is wrong, a subsection's key is checked against its parent's names, or a foreign
     key in expert_parallel is refused]"""
@@ -280,5 +280,8 @@ def test_keys_deepspeed_does_not_read_inside_its_sections_are_refused_before_sta
     assert "my_note" not in line
     for path in sorted((ROOT / "ds_configs").glob("*.json")):
         assert section_key_problems(read_ds_config(path)) == [], path
+    assert section_key_problems({"fp16": {"enabeld": True}, "compile": {"deepcompil": True}}) == [
+        "fp16.enabeld: not a DeepSpeed setting; did you mean enabled?",
+        "compile.deepcompil: not a DeepSpeed setting; did you mean deepcompile?"]
     sgd = {"type": "SGD", "params": {"momentum": 0.9}}  # another optimizer's own parameters are its business
     assert section_key_problems({"optimizer": sgd}) == []

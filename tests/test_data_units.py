@@ -5,6 +5,8 @@ engine's data with itself)."""
 import itertools
 import json
 import math
+import re
+import shutil
 
 import numpy as np
 import pytest
@@ -98,11 +100,12 @@ def test_a_score_that_is_a_boolean_or_nan_is_refused(tmp_path, value, shown):
         build_data(d, load_tokenizer(d.tokenizer), 0, 1, 5)
 
 
-def test_a_tokenizer_path_that_is_not_a_tokenizer_says_which(tmp_path):
+def test_a_tokenizer_path_that_is_not_a_tokenizer_says_which(tmp_path, monkeypatch):
     """data.tokenizer as a path: one that does not exist, a file, and a directory without tokenizer files each get
     a line saying so and how to fix it (they said transformers' "Repo id must be in the form 'repo_name'" or
-    "Couldn't instantiate the backend tokenizer from one of:"); the bundled directory and auto still load. [fails
-    if: a missing path reaches transformers, or a real tokenizer directory is refused]"""
+    "Couldn't instantiate the backend tokenizer from one of:"); the bundled directory and auto still load, as does a
+    copy of it named from the home directory. [fails if: a missing path reaches transformers, a relative or home path
+    is not checked, or a real tokenizer directory is refused]"""
     from engine.data import BUNDLED_TOKENIZER
 
     (tmp_path / "empty").mkdir()
@@ -116,3 +119,17 @@ def test_a_tokenizer_path_that_is_not_a_tokenizer_says_which(tmp_path):
         assert "save_pretrained" in str(e.value)
     assert load_tokenizer(str(BUNDLED_TOKENIZER)).eos_token_id is not None
     assert load_tokenizer("auto").eos_token_id is not None
+    # relative and home paths: checked as paths too; a home path loads (transformers alone took "~/tok" for a hub name)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name, says in (("./nope", "no such directory"), ("~/nope", "no such directory"), ("~/empty", "the directory")):
+        with pytest.raises(ConfigError, match=f"^data.tokenizer {re.escape(name)}: {says}"):
+            load_tokenizer(name)
+    shutil.copytree(BUNDLED_TOKENIZER, tmp_path / "tok")
+    assert len(load_tokenizer("~/tok")) == len(load_tokenizer("./tok")) == len(load_tokenizer(str(BUNDLED_TOKENIZER)))
+    (tmp_path / "bpe").mkdir()  # a slow BPE tokenizer's files alone: past the check (transformers decides)
+    (tmp_path / "bpe" / "vocab.json").write_text("{}")
+    (tmp_path / "bpe" / "merges.txt").write_text("")
+    with pytest.raises(ConfigError) as e:
+        load_tokenizer("./bpe")
+    assert "no tokenizer files" not in str(e.value)

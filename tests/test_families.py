@@ -283,7 +283,7 @@ def test_a_weights_file_cut_short_is_refused_in_one_line(tmp_path, capfd, monkey
     file is taken as whole by its name alone, or a shard named by the index is not read]"""
     init = save_tiny("deepseek_v2", tmp_path / "hf")
     weights = init / "model.safetensors"
-    whole = weights.stat().st_size
+    whole, intact = weights.stat().st_size, weights.read_bytes()
     assert load_recipe_ok(tmp_path, init)
     with open(weights, "r+b") as f:
         f.truncate(whole - 100)
@@ -295,11 +295,12 @@ def test_a_weights_file_cut_short_is_refused_in_one_line(tmp_path, capfd, monkey
     assert not (tmp_path / "run").exists()
     with open(weights, "r+b") as f:  # the header itself cut: 8 bytes of length and part of the JSON
         f.truncate(40)
-    weights.rename(init / "model-00001-of-00001.safetensors")
-    index = {"weight_map": {"a": "model-00001-of-00001.safetensors"}}
+    weights.rename(init / "model-00001-of-00002.safetensors")  # sharded: the first shard cut, the second whole
+    (init / "model-00002-of-00002.safetensors").write_bytes(intact)
+    index = {"weight_map": {"b": "model-00002-of-00002.safetensors", "a": "model-00001-of-00002.safetensors"}}
     (init / "model.safetensors.index.json").write_text(json.dumps(index))
     line = recipe_problem(tmp_path, f"model: {{init_from: {init}}}\n")
-    assert line.endswith("model-00001-of-00001.safetensors is not a readable safetensors file (40 bytes, its header cut "
+    assert line.endswith("model-00001-of-00002.safetensors is not a readable safetensors file (40 bytes, its header cut "
                          "or damaged): copy it again, or save the model again"), line
 
 
@@ -315,6 +316,24 @@ def test_the_family_and_sizes_are_read_from_a_config_only_dir(tmp_path):
     m = ModelConfig(init_from=str(tmp_path / "config_only"))
     assert model_from_hf_dir(m) == []
     assert (m.arch, m.hidden_size, m.num_experts) == ("deepseek_v2", 32, 4) != (ModelConfig().arch, 64, 8)
+
+
+def test_home_relative_paths_in_a_recipe_are_the_users_home(tmp_path, monkeypatch):
+    """A recipe is read by no shell: `~/...` in model.init_from, data.path, data.tokenizer, grpo.eval_path and run_dir
+    is expanded as a shell would (model.init_from said "no config.json" for a directory that has one, and the
+    tokenizer went to transformers as a hub name). [fails if: any of them is kept as written]"""
+    from engine.config import load_recipe
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    save_tiny("deepseek_v2", tmp_path / "hf")
+    for name in ("c.jsonl", "e.jsonl"):
+        (tmp_path / name).write_text('{"prompt": "1 + 1 =", "answer": "2"}\n')
+    (tmp_path / "r.yaml").write_text("model: {init_from: ~/hf}\ndata: {path: ~/c.jsonl, tokenizer: ~/tok}\n"
+                                     "grpo: {eval_path: ~/e.jsonl}\nrun_dir: ~/runs/x\n")
+    r = load_recipe(tmp_path / "r.yaml")
+    assert r.model.arch == "deepseek_v2" and r.model.init_from == str(tmp_path / "hf")
+    assert (r.data.path, r.data.tokenizer, r.grpo.eval_path, r.run_dir) == tuple(
+        str(tmp_path / n) for n in ("c.jsonl", "tok", "e.jsonl", "runs/x"))
 
 
 def load_recipe_ok(tmp_path, init) -> bool:

@@ -631,11 +631,16 @@ def test_a_first_step_skipped_advances_a_real_schedule_without_torchs_warning():
     from engine.grpo import skip_update
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+
+    def schedule(s):  # a warning raised inside skip_update, by the schedule itself: still shown
+        if s == 2:
+            warnings.warn("another warning")
+        return 1.0 / (1 + s)
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     run = SimpleNamespace(g=GRPOConfig(iterations=2), policy=SimpleNamespace(lr_scheduler=sched))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         skip_update(run)
-        warnings.warn("another warning")
     assert [str(w.message) for w in seen] == ["another warning"]
     assert sched.last_epoch == 2 and opt.param_groups[0]["lr"] == pytest.approx(1 / 3)

@@ -655,12 +655,13 @@ OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capaci
        "is free. Including non-PyTorch memory, this process has 78.12 GiB memory in use.")
 
 
-@pytest.mark.parametrize("where", ["build", "train", "library", "other"])
+@pytest.mark.parametrize("where", ["build", "train", "library", "cublas", "other"])
 def test_out_of_memory_is_one_line_naming_the_batch_and_the_fix(monkeypatch, tmp_path, where):
     """bin/pretrain.py: a CUDA out-of-memory error while building the engine or while training ends the run with
     exit 1 and one line: what torch could not allocate and what was free, and the fix for that phase (a config that
     partitions or offloads; the micro-batch written lower, or checkpointing); a CUDA library's own failed allocation
-    ("library": a RuntimeError) too; any other RuntimeError is not taken for one. [fails if: the error escapes as a
+    ("library", "cublas": RuntimeErrors, one of them without the words "out of memory") too; any other RuntimeError is
+    not taken for one. [fails if: the error escapes as a
     traceback, the exit is 0, the line names the wrong phase's fix, or every RuntimeError is called out of memory]"""
     import engine.pretrain as pretrain
 
@@ -669,6 +670,7 @@ def test_out_of_memory_is_one_line_naming_the_batch_and_the_fix(monkeypatch, tmp
     monkeypatch.setattr(pretrain, "print_error", lines.append)
 
     error = {"library": RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"),
+             "cublas": RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
              "other": RuntimeError("Expected all tensors to be on the same device")}
     error = error.get(where, torch.OutOfMemoryError(OOM))
 
@@ -690,7 +692,7 @@ def test_out_of_memory_is_one_line_naming_the_batch_and_the_fix(monkeypatch, tmp
     assert rc == 1 and len(lines) == 1, lines
     line = lines[0]
     assert line.startswith("error: out of device memory while ")
-    if where == "library":
+    if where in ("library", "cublas"):
         assert line.startswith("error: out of device memory while training at micro-batch 3 x accumulation 2 (peak")
         return
     assert "2.00 GiB wanted, 1.06 GiB free of 79.19 GiB" in line
@@ -701,11 +703,22 @@ def test_out_of_memory_is_one_line_naming_the_batch_and_the_fix(monkeypatch, tmp
         assert "train.activation_checkpointing: true" in line
 
 
-@pytest.mark.parametrize("where", ["setup", "train"])
+def test_the_out_of_memory_line_says_what_was_free_without_a_failed_request():
+    """torch's message may give the device's capacity and what was free without a "Tried to allocate" (a cache
+    reservation, some library paths): the line still says what was free. [fails if: that figure is dropped]"""
+    from engine.pretrain import out_of_memory
+
+    e = torch.OutOfMemoryError("CUDA out of memory. GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB is free.")
+    line = out_of_memory(e, {"train_micro_batch_size_per_gpu": 2}, True, "")
+    assert "at micro-batch 2 x accumulation 1: 1.06 GiB free of 79.19 GiB (peak" in line, line
+
+
+@pytest.mark.parametrize("where", ["setup", "train", "other"])
 def test_grpo_out_of_memory_tells_setup_from_training(monkeypatch, where):
     """bin/grpo.py's main: an out-of-memory error raised inside grpo.setup (the engines and the decoder being built)
-    gets the build line; one raised later in the run, the batch line with GRPO's levers; exit 1 either way. [fails
-    if: the phase is read wrongly (every OOM as training, or as setup), or the error escapes]"""
+    gets the build line; one raised later in the run, the batch line with GRPO's levers; exit 1 either way; any other
+    RuntimeError raises as it was. [fails if: the phase is read wrongly (every OOM as training, or as setup), the error
+    escapes, or every RuntimeError is called out of memory]"""
     import engine.grpo as grpo
     from engine.config import load_recipe
 
@@ -720,6 +733,8 @@ def test_grpo_out_of_memory_tells_setup_from_training(monkeypatch, where):
     monkeypatch.setattr(pretrain, "print_error", lines.append)
 
     def setup(*a, **k):
+        if where == "other":
+            raise RuntimeError("Expected all tensors to be on the same device")
         raise torch.OutOfMemoryError(OOM)
 
     class Run:  # what setup built; the run's first use of it runs out of memory
@@ -727,6 +742,11 @@ def test_grpo_out_of_memory_tells_setup_from_training(monkeypatch, where):
             setup()
 
     monkeypatch.setattr(grpo, "setup", setup if where == "setup" else lambda *a, **k: Run())
+    if where == "other":
+        with pytest.raises(RuntimeError, match="same device"):
+            grpo.main(["--deepspeed_config", "unused.json"])
+        assert lines == []
+        return
     rc = grpo.main(["--deepspeed_config", "unused.json"])
     assert rc == 1 and len(lines) == 1, lines
     if where == "setup":

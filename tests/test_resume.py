@@ -317,6 +317,21 @@ def test_resume_on_one_rank_from_a_two_rank_checkpoint(base, reference, stopped)
         assert abs(r["loss"] - ref["loss"]) < 5e-6 * ref["loss"], (r, ref)
 
 
+def test_a_resume_with_another_lr_trains_at_it(base, reference):
+    """The uninterrupted run (lr 0.003, schedule over 8 steps, at its end) resumed to step 10 with train.lr 0.01 and
+    the same schedule (decay_steps 8: flat at min_lr_ratio 0.1 after it): steps 9 and 10 train at 0.01 x 0.1, not at
+    the checkpoint's 0.003 x 0.1, which DeepSpeed restores with the scheduler. [fails if: checkpoint.load does not put
+    the recipe's LR under the restored schedule]"""
+    shutil.copytree(base / "ref", base / "new_lr")
+    (base / "recipe_lr.yaml").write_text(RECIPE.replace("warmup_steps: 2,", "warmup_steps: 2, lr: 0.01, decay_steps: 8,"))
+    p = run_ranks(2, PRETRAIN, "--deepspeed_config", base / "ds2.json", "--config", base / "recipe_lr.yaml", "--run_dir",
+                  base / "new_lr", "--resume", "--max_steps", 10, cwd=base, timeout=300, check=False)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    assert reference[STEPS]["lr"] == pytest.approx(3e-3 * 0.1)  # the checkpoint's LR at its last step
+    rows = {r["step"]: r for r in read_metrics(base / "new_lr")}
+    assert [rows[s]["lr"] for s in (9, 10)] == pytest.approx([1e-3, 1e-3]), [rows[s]["lr"] for s in (9, 10)]
+
+
 def resume_rank0(base: Path, run: Path, capfd, monkeypatch, recipe: Path | None = None, ds: Path | None = None,
                  resume: bool = True) -> subprocess.CompletedProcess:
     """bin/pretrain.py --resume as the launcher would start rank 0 of 2 ranks (preflight stops it alone): its main in
