@@ -258,10 +258,10 @@ def test_keys_deepspeed_does_not_read_inside_its_sections_are_refused_before_sta
     """A misspelled key inside zero_optimization (and its offload subsection), bf16, fp16, compile, an Adam's
     optimizer.params and expert_parallel is one line naming the nearest known key, before any rank starts; DeepSpeed
     itself stops every rank on the first ones after start-up with a traceback and silently ignores the last (a
-    misspelled autoep_size trains without the expert-parallel size asked for). A key far from any known one is refused where DeepSpeed
-    would stop on it, and left alone in expert_parallel. Every shipped file passes. [fails if: nested sections are
-    not checked, a suggestion is wrong, a subsection's key is checked against its parent's names, or a foreign
-    key in expert_parallel is refused]"""
+    misspelled autoep_size trains without the expert-parallel size asked for). A key far from any known one is
+    refused where DeepSpeed would stop on it, and left alone in expert_parallel. Every shipped file passes. [fails
+    if: nested sections are not checked, a suggestion is wrong, a subsection's key is checked against its parent's
+    names, or a foreign key in expert_parallel is refused]"""
     raw = read_ds_config(ZERO3)
     raw["zero_optimization"]["stage3_prefech_bucket_size"] = 1
     raw["zero_optimization"]["offload_optimizer"] = {"devise": "cpu"}

@@ -300,8 +300,8 @@ def test_a_weights_file_cut_short_is_refused_in_one_line(tmp_path, capfd, monkey
     index = {"weight_map": {"b": "model-00002-of-00002.safetensors", "a": "model-00001-of-00002.safetensors"}}
     (init / "model.safetensors.index.json").write_text(json.dumps(index))
     line = recipe_problem(tmp_path, f"model: {{init_from: {init}}}\n")
-    assert line.endswith("model-00001-of-00002.safetensors is not a readable safetensors file (40 bytes, its header cut "
-                         "or damaged): copy it again, or save the model again"), line
+    assert line.endswith("model-00001-of-00002.safetensors is not a readable safetensors file (40 bytes, its header "
+                         "cut or damaged): copy it again, or save the model again"), line
 
 
 def test_the_family_and_sizes_are_read_from_a_config_only_dir(tmp_path):

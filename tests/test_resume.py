@@ -323,9 +323,10 @@ def test_a_resume_with_another_lr_trains_at_it(base, reference):
     the checkpoint's 0.003 x 0.1, which DeepSpeed restores with the scheduler. [fails if: checkpoint.load does not put
     the recipe's LR under the restored schedule]"""
     shutil.copytree(base / "ref", base / "new_lr")
-    (base / "recipe_lr.yaml").write_text(RECIPE.replace("warmup_steps: 2,", "warmup_steps: 2, lr: 0.01, decay_steps: 8,"))
-    p = run_ranks(2, PRETRAIN, "--deepspeed_config", base / "ds2.json", "--config", base / "recipe_lr.yaml", "--run_dir",
-                  base / "new_lr", "--resume", "--max_steps", 10, cwd=base, timeout=300, check=False)
+    lr = RECIPE.replace("warmup_steps: 2,", "warmup_steps: 2, lr: 0.01, decay_steps: 8,")
+    (base / "recipe_lr.yaml").write_text(lr)
+    p = run_ranks(2, PRETRAIN, "--deepspeed_config", base / "ds2.json", "--config", base / "recipe_lr.yaml",
+                  "--run_dir", base / "new_lr", "--resume", "--max_steps", 10, cwd=base, timeout=300, check=False)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     assert reference[STEPS]["lr"] == pytest.approx(3e-3 * 0.1)  # the checkpoint's LR at its last step
     rows = {r["step"]: r for r in read_metrics(base / "new_lr")}
