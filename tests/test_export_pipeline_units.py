@@ -115,6 +115,33 @@ def test_zero12_without_placement_metadata_uses_the_legacy_contiguous_placement(
     assert shapes == {f"{prefix}.gate_up_proj": (4, 6, 5)}
 
 
+def test_zero12_an_expert_held_by_two_ranks_is_written_once(tmp_path):
+    """An AutoEP placement may list an expert on two expert-parallel ranks (a replica): the first rank's copy is the
+    one exported, the other is skipped, and the written count is each expert's once. [fails if: every copy is
+    written, or place() counts the copies it skips]"""
+    from engine.export.plan import Frag, Source, place
+    from engine.export.zero12 import _experts
+
+    prefix = "model.layers.1.mlp.experts"
+    ranks = [{"rank": 0, "experts": [0, 1]}, {"rank": 1, "experts": [2, 1]}, {"rank": 2, "experts": [3, 0]}]
+    layer = {"expert_key_prefix": prefix, "num_experts": 4, "ep_size": 3, "module_path": "model.layers.1.mlp",
+             "moe_layer_id": 0, "expert_placement": {"ranks": ranks}}
+    name = f"{prefix}.w1"
+    files = [tmp_path / f"rank{r}.pt" for r in range(3)]
+    masters = {(name, r): [(Frag(("flat",), 0, 2 * 3 * 5, 0, None), files[r])] for r in range(3)}
+    by_file = {f: Source(f) for f in files}
+    _experts(tmp_path, 0, layer, "w1", {name: (2, 3, 5)}, masters, lambda n: n, {}, {}, by_file)
+    assert [by_file[f].frags[0].target.experts for f in files] == [[0, 1], [2, None], [3, None]]
+    out = torch.zeros(4, 6, 5)  # gate_up_proj: w1 fills the first half of each expert's rows
+    src = [torch.arange(30.0) + 100 * r for r in range(3)]
+    written = sum(place(out, by_file[f].frags[0], src[r], False) for r, f in enumerate(files))
+    assert written == 4 * 3 * 5
+    want = {0: src[0][:15], 1: src[0][15:], 2: src[1][:15], 3: src[2][:15]}
+    for e, values in want.items():
+        assert torch.equal(out[e, :3], values.view(3, 5)), e
+    assert out[:, 3:].abs().sum() == 0
+
+
 # ----------------------------------------------------------------------------------------- engine/export/zero3.py
 
 

@@ -1,5 +1,6 @@
 """GRPO math against numbers worked out by hand (each expected literal says how it was obtained)."""
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -115,6 +116,15 @@ def test_aggregation_variants(aggregation, expected):
     loss.backward()
     assert torch.isfinite(logp.grad).all()
     assert logp.grad[0, 0].item() == 0.0 and logp.grad[0, 3].item() == 0.0  # prompt and padding
+    # with the KL term: the reference's log-probs at the padding may be anything too
+    logp.grad = None
+    ref = (LOGP - 0.1).clone()
+    ref[0, 3] = math.nan
+    loss, stats = policy_loss(logp, OLD, ADV, MASK, replace(cfg, beta=0.1), ref_logp=ref)
+    assert math.isfinite(loss.item()) and math.isfinite(stats["kl_mean"].item())
+    loss.backward()
+    assert torch.isfinite(logp.grad).all()
+    assert logp.grad[0, 0].item() == 0.0 and logp.grad[0, 3].item() == 0.0
 
 
 def test_dapo_token_normalizer_and_grpo_empty_sequence():
@@ -195,6 +205,15 @@ def test_rollout_correction_truncates_or_masks_by_the_rollout_weight():
         assert stats["rollout_corrected_frac"].item() == pytest.approx(0.25)
         loss.backward()
         assert logp.grad[0].tolist() == pytest.approx(grad, abs=1e-12), kind  # w x r x A / 4, r = dr / dlogp
+    # a weight exactly at the cap is not corrected: tis keeps it whole, mis keeps the token (a weight above it is)
+    at = torch.exp(logp.detach() - rollout)[0, 1].item()  # 1.5, as float64 computes it
+    for kind in ("tis", "mis"):
+        cfg = GRPOLossConfig(aggregation="dapo", rollout_correction=kind, rollout_correction_cap=at)
+        loss, stats = policy_loss(logp, logp.detach(), adv, ones, cfg, rollout_logp=rollout)
+        assert stats["rollout_corrected_frac"].item() == pytest.approx(0.25), kind  # w = 4 only
+        w = torch.exp(logp.detach() - rollout)[0]
+        want = -(at + w[1] + w[2] + w[3]) / 4 if kind == "tis" else -(w[1] + w[2] + w[3]) / 4
+        assert loss.item() == pytest.approx(want.item(), rel=1e-12), kind
     # none: the plain surrogate, no statistic
     loss, stats = policy_loss(logp, logp.detach(), adv, ones, GRPOLossConfig(aggregation="dapo"), rollout_logp=rollout)
     assert loss.item() == pytest.approx(-1.0) and "rollout_corrected_frac" not in stats

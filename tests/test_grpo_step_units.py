@@ -364,7 +364,7 @@ def test_the_rollout_train_mismatch_is_the_first_passes():
     weights): the mismatch metrics compare the decoder's log-probs with the first pass's only. The decoder's are the
     initial policy's minus known offsets o on the 7 response targets, so d = o: the mean and max of |o| and the mean
     of e^o - o - 1.
-    [fails if: the later passes' log-probs enter the mismatch]"""
+    [fails if: the later passes' log-probs enter the mismatch, or the ratios ignore the old log-probs]"""
     from engine.grpo import forward_logps, old_logps, policy_update
 
     model = TinyLM()
@@ -375,7 +375,9 @@ def test_the_rollout_train_mismatch_is_the_first_passes():
     r.rollout_logp = forward_logps(model, r.ids, r.attn, 1.0)[0].detach() - o
     run = make_run(GRPOConfig(iterations=2, max_new_tokens=R), Engine(model, lr=1.0))
     old = old_logps(run, r)
-    _, extra = policy_update(run, r, torch.tensor([1.0, -2.0, 0.5, 3.0]), old, None, float(mask.sum()))
+    stats, extra = policy_update(run, r, torch.tensor([1.0, -2.0, 0.5, 3.0]), old, None, float(mask.sum()))
+    # the ratios are against `old`: 1 in the first pass (the weights that scored it), not 1 in the second (moved)
+    assert stats["tokens"] == 14 and abs(stats["ratio_mean"] - stats["tokens"]) > 1.0, stats
     d = o[mask]
     assert extra["rollout_logp_diff_mean"] == pytest.approx(float(d.abs().mean()), abs=1e-6)
     assert extra["rollout_logp_diff_max"] == pytest.approx(0.6, abs=1e-6)
