@@ -230,3 +230,25 @@ def test_the_schedule_note_names_a_changed_lr_and_says_nothing_when_nothing_is_l
     assert any(f"the LR would jump from {3e-3 * was:.4g} to {1e-2 * now:.4g} at step 51" in x for x in lines), lines
     saved(tmp_path / "done", 100, recipe={"train": train})
     assert lr_schedule(recipe(tmp_path / "done", max_steps=100, warmup_steps=20))[1] == []
+
+
+def test_prune_keeps_complete_checkpoints_and_the_one_latest_names(tmp_path):
+    """keep_last counts complete checkpoints only (a half-written one, newer or not, is no checkpoint to keep), and
+    never removes the one `latest` names (after a resume from an older tag, as the damaged-checkpoint line says to
+    do). [fails if: the newest tags are kept whatever their state, or `latest`'s tag can be pruned]"""
+    def tag(step, complete=True):
+        d = tmp_path / checkpoint.tag_for(step)
+        d.mkdir()
+        if complete:
+            (d / MANIFEST).write_text("{}")
+
+    for step in (2, 4, 8):
+        tag(step)
+    tag(6, complete=False)
+    (tmp_path / "latest").write_text(checkpoint.tag_for(4))
+    checkpoint.prune(tmp_path, 1)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == [checkpoint.tag_for(4), checkpoint.tag_for(8)]
+    (tmp_path / "latest").write_text(checkpoint.tag_for(8))
+    tag(10, complete=False)
+    checkpoint.prune(tmp_path, 2)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == [checkpoint.tag_for(4), checkpoint.tag_for(8)]

@@ -319,3 +319,16 @@ def test_bad_input_from_the_entry_points_is_one_line_and_exit_2(tmp_path, capfd,
         f"error: recipe {tmp_path / 'g.yaml'}: grpo.curriculum.band [0.9, 0.1]: low must be <= high (inverted); "
         "write [0.1, 0.9]"], p.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_the_unseen_share_rounds_half_up_and_the_band_holds_its_edges():
+    """A batch of 10 with unseen_fraction 0.25 draws 3 unseen prompts (2.5 rounded half up, not to even), and a pass
+    rate exactly at the band's edges (0.2, 0.8) is in the band. [fails if: round() to even, or an edge excluded]"""
+    cur = PromptCurriculum(CurriculumConfig(enabled=True), 1000, 10, 7)
+    cur.attempts[300:] = 8
+    cur.passes[300:] = 4  # seen, in the band: prompts 0-299 are the unseen ones
+    assert all((cur.draw(step) < 300).sum() == 3 for step in range(1, 20))
+    cur = PromptCurriculum(CurriculumConfig(enabled=True), 4, 2, 0)
+    cur.attempts[:] = 5
+    cur.passes[:] = [1, 4, 0, 5]  # pass rates 0.2, 0.8, 0, 1
+    assert cur.in_band().tolist() == [True, True, False, False]

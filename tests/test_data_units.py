@@ -133,3 +133,39 @@ def test_a_tokenizer_path_that_is_not_a_tokenizer_says_which(tmp_path, monkeypat
     with pytest.raises(ConfigError) as e:
         load_tokenizer("./bpe")
     assert "no tokenizer files" not in str(e.value)
+
+
+def _jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_streamed_micro_batches_are_the_streams_sequences_in_order(tmp_path):
+    """A streamed rank's micro-batch k holds its sequences k x micro ... (k + 1) x micro - 1, from the start and on a
+    resume at start k. [fails if: a resume skips one sequence too many or too few]"""
+    d = DataConfig(path=_jsonl(tmp_path / "c.jsonl", [{"text": f"{STORY} {i}"} for i in range(10)]), streaming=True,
+                   seq_len=16)
+    tok = load_tokenizer(d.tokenizer)
+
+    def stream():
+        return StreamedSequences(load_documents(d), tok, d, 0, 2, 0)
+
+    seqs = [s.tolist() for s in itertools.islice(stream().sequences(), 8)]
+    step, batch = next(stream().micro_batches(2, 0, 2))
+    assert step == 1 and batch.tolist() == seqs[0:2]
+    step, batch = next(stream().micro_batches(2, 0, 2, start=3))
+    assert step == 4 and batch.tolist() == seqs[6:8]
+
+
+@pytest.mark.parametrize("files", [1, 2])
+def test_streaming_follows_the_data_seed(tmp_path, files):
+    """data.seed orders a streamed dataset: two seeds give a rank the same rows in another order, with one file on one
+    rank and with two files on two ranks (a file each). [fails if: either shuffle ignores the seed]"""
+    (tmp_path / "d").mkdir()
+    for n in "ab"[:files]:
+        _jsonl(tmp_path / "d" / f"{n}.jsonl", [{"text": f"{n}{i}"} for i in range(40)])
+    d = DataConfig(path=str(tmp_path / "d"), streaming=True)
+    tok = load_tokenizer(d.tokenizer)
+    rows = {seed: [r["text"] for r in StreamedSequences(load_documents(d), tok, d, 0, files, seed).rows(0)]
+            for seed in (1, 2)}
+    assert rows[1] and sorted(rows[1]) == sorted(rows[2]) and rows[1] != rows[2]

@@ -243,3 +243,21 @@ def test_stochastic_rounding_true_is_refused_with_an_offloaded_or_other_optimize
         assert p.returncode == 2 and "train.stochastic_rounding: true" in p.stderr and why in p.stderr, p.stderr
         assert len(p.stderr.strip().splitlines()) == 1, p.stderr
     shutil.rmtree(tmp_path / "run", ignore_errors=True)
+
+
+def test_each_rank_rounds_with_its_own_noise(monkeypatch):
+    """AdamWSR's rounding noise is seeded by rank too: two data-parallel ranks updating the same bf16 weights with the
+    same gradient (ZeRO-1/2 replicas of one parameter would) draw different noise. [fails if: the rank is left out
+    of the seed, so every rank's rounding errors are the same and do not average out]"""
+    torch.manual_seed(0)
+    w0, g = torch.randn(4096).bfloat16(), torch.randn(4096).bfloat16()
+    out = []
+    for rank in (0, 1):
+        monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.distributed, "get_rank", lambda r=rank: r)
+        p = w0.clone().requires_grad_()
+        opt = AdamWSR([p], lr=1e-3, seed=1)
+        p.grad = g.clone()
+        opt.step()
+        out.append(p.detach())
+    assert not torch.equal(out[0], out[1])
