@@ -198,9 +198,21 @@ def test_a_preset_model_other_than_the_recipes_arch_is_refused():
 
 
 def test_a_boolean_micro_batch_is_refused():
-    """Guards against (isinstance(micro, bool) dropped: true passed as micro-batch 1)."""
+    """Guards against (isinstance(micro, bool) dropped: true passed as micro-batch 1), for the accumulation too."""
     raw = {**read_ds_config(ZERO2), "train_micro_batch_size_per_gpu": True, "gradient_accumulation_steps": 1}
     assert "train_micro_batch_size_per_gpu (True) must be a positive integer" in _refused(raw)
+    raw = {**read_ds_config(ZERO2), "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": True}
+    assert "gradient_accumulation_steps (True) must be a positive integer" in _refused(raw)
+
+
+def test_a_zero_lr_and_a_sequence_past_the_positions_are_refused():
+    """train.lr 0 would train nothing; data.seq_len one past model.max_position_embeddings reads positions the model
+    has no embedding for. [fails if: lr 0 is taken, or the upper bound of seq_len is off by one]"""
+    with pytest.raises(ConfigError, match=r"train.lr: must be > 0, got 0"):
+        load_recipe(None, {"train.lr": 0.0})
+    with pytest.raises(ConfigError, match=r"data.seq_len \(513\) must be in \[2"):
+        load_recipe(None, {"data.seq_len": 513, "model.max_position_embeddings": 512})
+    assert load_recipe(None, {"data.seq_len": 512, "model.max_position_embeddings": 512}).data.seq_len == 512
 
 
 def test_a_pipeline_with_zero_stage_0_is_refused():

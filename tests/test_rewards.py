@@ -155,3 +155,33 @@ def test_rewards_whose_weights_are_all_zero_are_refused():
         build_rewards([{"name": "numeric", "weight": 0}, {"name": "exact_match", "weight": 0.0}], where="grpo.rewards")
     assert [r.weight for r in build_rewards([{"name": "numeric", "weight": 0}, {"name": "exact_match"}]).rewards] == \
         [0.0, 1.0]
+
+
+def test_numeric_reads_the_common_number_formats_and_its_tolerance_is_inclusive():
+    """Thousands groups, exponents and a leading dot are numbers; a difference equal to the tolerance passes, so
+    tolerance 0 is an exact match; exact_match strips the answer as it strips the completion. [fails if: a format is
+    dropped from the number pattern (the reward says 0 without notice), or the tolerance is exclusive]"""
+    assert numeric("p", "total is 1,234.5", 1234.5) == 1.0
+    assert numeric("p", "about 1.5e3", 1500) == 1.0
+    assert numeric("p", "x = .5", 0.5) == 1.0
+    assert numeric("p", "5", 4, tolerance=1.0) == 1.0
+    assert numeric("p", "42", 42, tolerance=0) == 1.0 and numeric("p", "42", 43, tolerance=0) == 0.0
+    assert exact_match("p", "Paris", " Paris\n") == 1.0
+
+
+@pytest.mark.parametrize("spec, key", [
+    ({"name": "numeric", "which": "frist"}, "which"),
+    ({"name": "numeric", "weight": float("nan")}, "weight"),
+    ({"name": "numeric", "weight": float("inf")}, "weight"),
+    ({"name": "length_penalty", "target": "100"}, "target"),
+    ({"name": "regex", "pattern": 5}, "pattern"),
+])
+def test_a_bad_reward_option_is_refused_by_name(spec, key):
+    """A misspelled `which`, a weight that is not finite (every total would be NaN), a target or a pattern of the
+    wrong type: one ConfigError naming the option, at build time (not a TypeError on the first completion)."""
+    with pytest.raises(ConfigError, match=rf"rewards\[0\].{key}"):
+        build_rewards([spec])
+
+
+def test_a_length_target_of_zero_is_allowed():
+    assert build_rewards([{"name": "length_penalty", "target": 0}])
