@@ -29,7 +29,10 @@ from test_data_checks import jsonl
 
 
 class FakeStore:
-    """The calls PeerWatchdog makes on its TCPStore, on a dict of counters; `on_read` runs before each multi_get."""
+    """The calls PeerWatchdog makes on its TCPStore, on a dict of counters; `on_read` runs before each multi_get. A
+    watchdog still reading after MAX_READS (minutes of its 0.2-1 s polls on the fake clock) would never stop: it fails
+    the test instead of hanging the suite."""
+    MAX_READS = 10_000
 
     def __init__(self, on_read=None):
         self.values, self.reads, self.on_read = {}, 0, on_read
@@ -40,6 +43,7 @@ class FakeStore:
 
     def multi_get(self, keys):
         self.reads += 1
+        assert self.reads <= self.MAX_READS, f"still polling the store after {self.MAX_READS} reads"
         if self.on_read:
             self.on_read(self)
         return [str(self.values.get(k, 0)).encode() for k in keys]
