@@ -234,8 +234,9 @@ def test_bias_update_uses_counts_summed_over_ranks(monkeypatch):
 
 def test_a_bf16_routing_bias_is_balanced_in_fp32():
     """With balance_rate > 0 a bf16 routing bias is kept in fp32, so updates far below bf16's resolution (1e-3
-    against a step of ~4e-3 at |bias| 1) accumulate exactly: 3 steps move the busy expert by 3e-3.
-    [fails if: bias kept in the model's dtype]"""
+    against a step of ~4e-3 at |bias| 1) accumulate exactly: 3 steps move the busy expert by 3e-3. A fourth step
+    with another busy expert is balanced on its own load. [fails if: bias kept in the model's dtype, or an update
+    reads the load accumulated over earlier steps]"""
     from engine.balance import ExpertBalance
 
     layer = _Layer(bias_dtype=torch.bfloat16, bias_value=1.0)
@@ -246,6 +247,10 @@ def test_a_bf16_routing_bias_is_balanced_in_fp32():
     bias = layer.router.e_score_correction_bias
     assert bias.dtype == torch.float32
     assert torch.allclose(bias.double(), torch.tensor([0.997, 1.003, 1.003, 1.003], dtype=torch.float64), atol=1e-6)
+    # each update reads that step's load alone: expert 1 busy now moves 1 down and 0 back up
+    layer.tokens_per_expert += torch.tensor([0, 4, 0, 0])
+    bal.after_step()
+    assert torch.allclose(bias.double(), torch.tensor([0.998, 1.002, 1.004, 1.004], dtype=torch.float64), atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------------------------ optim
