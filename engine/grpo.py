@@ -534,9 +534,7 @@ def evaluate(run: "Run", evals) -> dict:
     run.rollout.shutdown()
     if mine:
         scores = run.rewards.score([r["prompt"] for r in mine], completions(batch, run.tok), [r["answer"] for r in mine])
-        for label, msg in scores.first_error.items():  # as in training (score): counted, scored 0, said once here
-            print(f"warning: held-out evaluation, rank {world.rank}: reward {label} failed on {scores.failures[label]} "
-                  f"of {len(mine)} prompts (scored 0); first error: {msg}", file=sys.stderr, flush=True)
+        warn_reward_failures(scores, f"held-out evaluation, rank {world.rank}", f"{len(mine)} prompts")
         sums += torch.tensor([float(scores.total.sum())] + [float(scores.per_reward[k].sum()) for k in run.rewards.labels]
                              + [float(scores.failures.get(k, 0)) for k in run.rewards.labels] + [len(mine)], device=device)
     dist.all_reduce(sums)
@@ -652,14 +650,20 @@ def generate_rollouts(run: Run, rows: list[dict], sampling: SamplingConfig) -> R
                     tree, rl, routes)
 
 
+def warn_reward_failures(scores, where: str, of: str) -> None:
+    """One warning line per reward that failed on some samples (they are counted and scored 0): how many, the first
+    error."""
+    for label, msg in scores.first_error.items():
+        print(f"warning: {where}: reward {label} failed on {scores.failures[label]} of {of} (scored 0); first error: "
+              f"{msg}", file=sys.stderr, flush=True)
+
+
 def score(run: Run, rows: list[dict], r: Rollouts, step: int):
     """Rewards of each completion and the group advantages; DAPO's dynamic sampling masks flat groups out."""
     G = run.g.group_size
     scores = run.rewards.score([x["prompt"] for x in rows for _ in range(G)], r.texts,
                                [x["answer"] for x in rows for _ in range(G)])
-    for label, msg in scores.first_error.items():
-        print(f"warning: step {step}, rank {run.world.rank}: reward {label} failed on {scores.failures[label]} of "
-              f"{len(r.texts)} samples (scored 0); first error: {msg}", file=sys.stderr, flush=True)
+    warn_reward_failures(scores, f"step {step}, rank {run.world.rank}", f"{len(r.texts)} samples")
     reward = torch.as_tensor(scores.total, dtype=torch.float32, device=run.device)  # (N,)
     if r.tree is not None:  # per token, from the tree's node values: (N, T-1)
         adv = tree_advantages(r.tree, reward, r.p_len, r.resp_mask.shape[1], run.g.normalize_std)
