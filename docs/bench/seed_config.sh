@@ -14,7 +14,7 @@
 # run's micro-batch and accumulation there, so both train on the same batches); LOSS_RUNS ("capped uncapped") which.
 # SR sets every run's train.stochastic_rounding (true/false/auto; unset: the recipe's, auto) and names the rows
 # seed_<mode>_sr_<SR>.jsonl, so SR=false and SR=auto rows of one config can sit in one OUT.
-# FIRST=N: instead, N steps (10 will do) uncapped from one init on the same batches (micro-batch 2 x accumulation 2: 8192
+# FIRST=N: instead, N steps (10 will do) uncapped from one init on the same batches (micro-batch 1 x accumulation 4: 8192
 # tokens a step): fp32 (zero2.json with bf16 off: fp32 weights, forward and AdamW), master (zero2.json: bf16 forward,
 # fp32 master weights), sr (zero2_bf16_states.json, AdamWSR) and nearest (the same, DeepSpeed's optimizer): whether
 # the bf16 variants follow fp32 weights' trajectory in the first steps of the warmup (docs/bench/first_updates.py is
@@ -82,7 +82,7 @@ if [ -n "${LOSS:-}" ]; then
   case " ${LOSS_RUNS:-capped uncapped} " in *" uncapped "*) run uncapped false $W/uncapped.json "$LOSS" ;; esac
   NAMES="capped uncapped"
 elif [ -n "${FIRST:-}" ]; then
-  batch="train_micro_batch_size_per_gpu=2 gradient_accumulation_steps=2 train_batch_size=4"
+  batch="train_micro_batch_size_per_gpu=1 gradient_accumulation_steps=4 train_batch_size=4"  # fp32 at micro 2: out of memory on 141 GB
   edit ds_configs/zero2.json $W/fp32.json $batch bf16.enabled=False || exit 1
   edit ds_configs/zero2.json $W/master.json $batch || exit 1
   edit ds_configs/zero2_bf16_states.json $W/bf16.json $batch || exit 1
