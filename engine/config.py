@@ -141,7 +141,8 @@ class TrainConfig:
     "auto", as shipped) pretraining compiles each decoder layer's forward itself, AutoEP eager, DeepSpeed's hooks
     around the layer (engine/pretrain.py compile_layers; not yet measured on a GPU, so auto does not take it).
     false: never. All of this is pretraining's. bin/grpo.py: auto compiles the policy's parameter-free functions
-    under ZeRO-3 on CUDA and nothing else (layers eager under every stage); true compiles the policy's decoder
+    under every ZeRO stage on CUDA and nothing else (layers eager; DeepSpeed's whole-layer compile of ZeRO 1-2
+    pretraining does not serve GRPO's changing lengths); true compiles the policy's decoder
     layers, AutoEP eager, for any sequence length (compile_layers with dynamic shapes; measured on one H100 to gain
     little or nothing for a longer step 1, docs/benchmarks.md, so auto does not take it); the reference's layers stay
     eager."""

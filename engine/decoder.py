@@ -228,11 +228,27 @@ def ungrouped_router_forward(self, hidden_states: torch.Tensor):
     hidden_states = hidden_states.view(-1, self.hidden_dim)
     router_logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))
     scores = router_logits.sigmoid()
-    topk_indices = torch.topk(scores + self.e_score_correction_bias, k=self.top_k, dim=-1, sorted=False)[1]
+    topk_indices = topk_by_rank(scores + self.e_score_correction_bias, self.top_k)
     topk_weights = scores.gather(1, topk_indices)
     if self.norm_topk_prob:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
     return router_logits, topk_weights * self.routed_scaling_factor, topk_indices
+
+
+def topk_by_rank(x: torch.Tensor, k: int) -> torch.Tensor:
+    """(T, E) -> (T, k): the indices of each row's k largest values, largest first, ties to the lower index; the
+    experts torch.topk chooses (up to ties). Counted rather than sorted: each value's rank is the number of values above
+    it (an (E, E) comparison per row; E is a router's expert count), all in arithmetic that the decode step's compile
+    fuses with the router's sigmoid, where torch.topk is a library kernel of its own with buffers to clear before it (on
+    CUDA its kernels took 68 us of each 2.7 ms decode step at grpo_2b6's shape, 11 MoE layers, in a profile:
+    docs/bench/grpo_speed/h200_1204_late/profile_zero2/, besides the memsets)."""
+    E = x.shape[-1]
+    e = torch.arange(E, device=x.device)
+    above = x[..., None, :] > x[..., :, None]  # [t, i, j]: value j above value i
+    tie_before = (x[..., None, :] == x[..., :, None]) & (e[None, :] < e[:, None])  # [t, i, j]: equal, j first
+    rank = (above | tie_before).sum(-1)  # (T, E): 0 for the largest
+    slots = torch.arange(k, device=x.device)
+    return ((rank[..., None, :] == slots[:, None]) * e).sum(-1)  # (T, k): the index whose rank is 0, 1, ..., k-1
 
 
 def _rename_autoep(path: str, rest: str, names: dict) -> str:

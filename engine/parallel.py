@@ -196,7 +196,7 @@ def build_engine(model: torch.nn.Module, ds_config: dict, train=None, lengths_va
     if compiles_parameter_free(ds_config, train, lengths_vary):
         done = compile_parameter_free(engine.module, lengths_vary)
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"compile: parameter-free functions only under ZeRO-3: {', '.join(done)}", flush=True)
+            print(f"compile: the layers' parameter-free functions only: {', '.join(done)}", flush=True)
     return engine
 
 
@@ -292,14 +292,15 @@ def autoep_size_one_is_intended(ds_config: dict):
 def compiles_parameter_free(ds_config: dict, train, lengths_vary: bool = False) -> bool:
     """ZeRO-3 training on CUDA with train.compile not false: DeepSpeed compiles nothing around AutoEP there, so the
     parameter-free functions of the layers are compiled instead (model.compile_parameter_free; docs/benchmarks.md).
-    ZeRO 1-2 compile whole layers (engine/pretrain.py); so do, with train.compile: true, pretraining
-    under ZeRO-3 with decoder-layer leaves and GRPO's policy (lengths_vary) under any stage (pretrain.compile_layers).
-    Pipeline stages are left as they are."""
+    GRPO's policy (lengths_vary) takes them under every ZeRO stage with compile "auto": its lengths change every step,
+    which DeepSpeed's whole-layer compile of ZeRO 1-2 pretraining does not serve. Whole layers instead: pretraining
+    under ZeRO 1-2 (engine/pretrain.py), and with train.compile: true pretraining under ZeRO-3 with decoder-layer
+    leaves and GRPO's policy under any stage (pretrain.compile_layers). Pipeline stages are left as they are."""
     from deepspeed.accelerator import get_accelerator
 
     from .ds_config import zero3_compiles_layers
 
     stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
     layers = getattr(train, "compile", False) is True and (zero3_compiles_layers(ds_config) or lengths_vary)
-    return (train is not None and getattr(train, "compile", False) is not False and stage == 3 and not layers
-            and "pipeline" not in ds_config and get_accelerator().device_name() == "cuda")
+    return (train is not None and getattr(train, "compile", False) is not False and (stage == 3 or lengths_vary)
+            and not layers and "pipeline" not in ds_config and get_accelerator().device_name() == "cuda")

@@ -214,3 +214,22 @@ def test_the_response_attention_covers_each_response_up_to_its_first_eos():
     prompt = torch.tensor([[0, 1], [1, 1], [0, 1]])
     got = response_attention(out, prompt, 2, SimpleNamespace(eos_token_id=eos))
     assert got.tolist() == [[0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1]]
+
+
+def test_topk_by_rank_chooses_what_torch_topk_does_largest_first_ties_to_the_lower_index():
+    """[fails if: the decode router's counted top-k chooses other experts than torch.topk, orders them otherwise
+    than largest first, or breaks a tie other than to the lower index (a repeated or missing expert)]"""
+    from engine.decoder import topk_by_rank
+
+    g = torch.Generator().manual_seed(0)
+    for dtype, (T, E, k) in [(torch.float32, (64, 32, 4)), (torch.float32, (5, 8, 3)), (torch.bfloat16, (16, 32, 8))]:
+        x = torch.randn(T, E, generator=g).to(dtype)
+        got = topk_by_rank(x, k)
+        want = torch.topk(x.float(), k, dim=-1).indices
+        assert got.shape == (T, k) and got.dtype == torch.long
+        assert torch.equal(x.gather(1, got), x.gather(1, want))  # largest first: the same values in the same order
+        if dtype == torch.float32:  # no ties among these values: the same experts
+            assert torch.equal(got.sort(-1).values, want.sort(-1).values)
+    x = torch.tensor([[0.5, 0.9, 0.9, 0.1, 0.9], [1.0, 1.0, 1.0, 1.0, 1.0], [0.0, -1.0, 2.0, 2.0, -3.0]])
+    assert topk_by_rank(x, 2).tolist() == [[1, 2], [0, 1], [2, 3]]
+    assert topk_by_rank(x, 4).tolist() == [[1, 2, 4, 0], [0, 1, 2, 3], [2, 3, 0, 1]]

@@ -145,9 +145,15 @@ LAYER_LEAVES = {"leaf_module": {"names": ["model.layers.0", "model.layers.1"]}}
     ({"zero_optimization": {"stage": 3, **LAYER_LEAVES}}, "auto", False, True),
     ({"zero_optimization": {"stage": 3}}, True, True, False),  # GRPO's policy with compile: true: whole layers
     ({"zero_optimization": {"stage": 3}}, "auto", True, True),
+    ({"zero_optimization": {"stage": 2}}, "auto", True, True),  # GRPO's policy under ZeRO-2: lengths vary
+    ({"zero_optimization": {"stage": 1}}, "auto", True, True),
+    ({"zero_optimization": {"stage": 2}}, True, True, False),
+    ({"zero_optimization": {"stage": 2}}, False, True, False),
+    ({"zero_optimization": {"stage": 2}, "pipeline": {"stages": 2}}, "auto", True, False),
 ])
-def test_parameter_free_compile_only_under_zero3_on_cuda(on_cuda, ds, compile_, lengths_vary, expect):
-    """[fails if: another ZeRO stage, a pipeline, compile "auto", or GRPO's compile: true changes the answer]"""
+def test_parameter_free_compile_under_zero3_and_for_grpo_on_cuda(on_cuda, ds, compile_, lengths_vary, expect):
+    """[fails if: another ZeRO stage, a pipeline, compile "auto", or GRPO's compile: true changes the answer; GRPO's
+    policy under ZeRO 1-2 with compile "auto" compiles nothing]"""
     assert parallel.compiles_parameter_free(ds, SimpleNamespace(compile=compile_), lengths_vary) is expect
 
 
