@@ -517,8 +517,8 @@ def rollout_kind(recipe: Recipe) -> str:
 def completions(batch, tok) -> list[str]:
     """Response text of each rollout sequence, up to and including its first EOS."""
     p_len = int(batch.response_start_idx[0])
-    return tok.batch_decode([s[p_len:][m[p_len:] > 0] for s, m in zip(batch.input_ids, batch.attention_mask)],
-                            skip_special_tokens=True)
+    ids, mask = batch.input_ids[:, p_len:].cpu(), batch.attention_mask[:, p_len:].cpu()  # one copy, not one per row
+    return tok.batch_decode([s[m > 0] for s, m in zip(ids, mask)], skip_special_tokens=True)
 
 
 def evaluate(run: "Run", evals) -> dict:
