@@ -53,6 +53,9 @@ def main(argv=None) -> int:
     ap.add_argument("--logits", choices=("bf16", "fp32"), default="fp32",
                     help="fp32 (the default): the decoder's logits as one GEMM with an fp32 result (CUDA), as the "
                     "trainer's output layer; bf16: transformers' bf16 logits upcast, to compare the two")
+    ap.add_argument("--topk", choices=("torch", "rank"), default="torch",
+                    help="the router's top-k in the decode step: torch.topk (the default) or counted ranks, which the "
+                    "compile fuses with the router's arithmetic (engine/decoder.py topk_by_rank)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
 
@@ -80,7 +83,8 @@ def main(argv=None) -> int:
     dec = Decoder(model, device, args.batch, cache_len, args.decode_experts or recipe.grpo.decode_experts,
                   compile=False if args.no_compile else None, record_routes=args.record_routes,
                   fold_shared=not args.no_fold_shared, compile_mode=args.compile_mode,
-                  attention=args.decode_attention or recipe.grpo.decode_attention, logits=args.logits)
+                  attention=args.decode_attention or recipe.grpo.decode_attention, logits=args.logits,
+                  topk=args.topk)
     build_s = time.perf_counter() - t0
     rows = []
 

@@ -107,14 +107,16 @@ def dense_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
     return F.linear(h.reshape(T, -1), down)
 
 
-def fuse_for_decode(model: torch.nn.Module, dense_experts: bool, fold_shared: bool = True) -> list[torch.Tensor]:
+def fuse_for_decode(model: torch.nn.Module, dense_experts: bool, fold_shared: bool = True,
+                    topk: str = "torch") -> list[torch.Tensor]:
     """Lay out the decoder's weights for fewer, larger GEMMs; returns the new storages.
 
     Linears that read the same input share one storage, rows stacked, and each keeps its own weight as a view
     into it (so `copy_weights` fills them unchanged): an MLP's gate_proj and up_proj; MLA's q_a_proj and
     kv_a_proj_with_mqa. With dense experts, the experts' down projections are stored (H, E, F), and with
     `fold_shared` a DeepSeek MoE block's shared experts join the routed experts' two GEMMs (`fold_shared_experts`).
-    Run on the empty copy, before its weights are written."""
+    A DeepSeek-V3 router with one expert group skips the group top-k; `topk` "rank" takes its top-k by counting
+    (`topk_by_rank`) instead of torch.topk. Run on the empty copy, before its weights are written."""
     storages = []
     if dense_experts and fold_shared:
         for m in model.modules():
@@ -140,6 +142,7 @@ def fuse_for_decode(model: torch.nn.Module, dense_experts: bool, fold_shared: bo
             storages.append(relaid)
         if type(m).__name__ == "DeepseekV3TopkRouter" and m.num_group == 1:
             m.forward = types.MethodType(ungrouped_router_forward, m)
+            m._topk_by_rank = topk == "rank"
     return storages
 
 
@@ -228,7 +231,9 @@ def ungrouped_router_forward(self, hidden_states: torch.Tensor):
     hidden_states = hidden_states.view(-1, self.hidden_dim)
     router_logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))
     scores = router_logits.sigmoid()
-    topk_indices = topk_by_rank(scores + self.e_score_correction_bias, self.top_k)
+    choice = scores + self.e_score_correction_bias
+    topk_indices = (topk_by_rank(choice, self.top_k) if getattr(self, "_topk_by_rank", False)
+                    else torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1])
     topk_weights = scores.gather(1, topk_indices)
     if self.norm_topk_prob:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -241,7 +246,8 @@ def topk_by_rank(x: torch.Tensor, k: int) -> torch.Tensor:
     it (an (E, E) comparison per row; E is a router's expert count), all in arithmetic that the decode step's compile
     fuses with the router's sigmoid, where torch.topk is a library kernel of its own with buffers to clear before it (on
     CUDA its kernels took 68 us of each 2.7 ms decode step at grpo_2b6's shape, 11 MoE layers, in a profile:
-    docs/bench/grpo_speed/h200_1204_late/profile_zero2/, besides the memsets)."""
+    docs/bench/grpo_speed/h200_1204_late/profile_zero2/, besides the memsets). The decoder's `topk="rank"`; not its
+    default until measured on a GPU (bin/decode_bench.py --topk)."""
     E = x.shape[-1]
     e = torch.arange(E, device=x.device)
     above = x[..., None, :] > x[..., :, None]  # [t, i, j]: value j above value i
@@ -456,7 +462,7 @@ class Decoder:
     def __init__(self, module: torch.nn.Module, device, batch_size: int, cache_len: int,
                  decode_experts: str = "auto", compile: bool | None = None, record_routes: bool = False,
                  fold_shared: bool = True, compile_mode: str = "reduce-overhead", attention: str = "auto",
-                 logits: str = "fp32"):
+                 logits: str = "fp32", topk: str = "torch"):
         from transformers import StaticCache
 
         decode_experts = resolve_decode_experts(decode_experts, device)
@@ -467,7 +473,9 @@ class Decoder:
             # Decoding reads a static cache through an (N, cache_len) padding mask, which flex attention would turn
             # into a BlockMask (rebuilt per step, and not a mask absorbed MLA can apply): sdpa, the same math.
             model.set_attn_implementation("sdpa")
-        fused = fuse_for_decode(model, dense_experts=decode_experts == "dense", fold_shared=fold_shared)
+        if topk not in ("torch", "rank"):
+            raise ValueError(f"rollout decoder: topk {topk!r} is not torch or rank")
+        fused = fuse_for_decode(model, dense_experts=decode_experts == "dense", fold_shared=fold_shared, topk=topk)
         config = model.config
         mla = [m for m in model.modules() if hasattr(m, "kv_b_proj")]
         for m in mla:  # DeepSeek's MLA: attend in the latent space (absorbed_mla_forward)
