@@ -19,7 +19,8 @@
 # Every run gets $STEPS (6) optimizer steps of 8 prompts x G 8 x up to 256 new tokens, under a `timeout` cut so
 # the whole script ends inside BUDGET_S (550 s); TRL's time is reserved first (the engine's zero2 run is the one
 # dropped when time runs short).
-# Switches (environment): STEPS=6  SKIP_TRL=1  SKIP_ENGINE=1  SUMMARY_ONLY=1 (re-read $OUT)  BUDGET_S=550
+# Switches (environment): STEPS=6  TRL_STEPS=$STEPS (TRL's own; its step time varies by up to ~15% from step to step,
+#   so more steps steady its median: ~14 s each on one H200)  SKIP_TRL=1  SKIP_ENGINE=1  SUMMARY_ONLY=1 (re-read $OUT)  BUDGET_S=550
 #   RECIPE=engine/recipes/grpo_2b6.yaml  MAX_NEW_TOKENS=<recipe's>  GROUP_SIZE=<recipe's> (the sequences per step stay
 #   the batch's 64: GROUP_SIZE=4 MAX_NEW_TOKENS=1024 is the long-completion shape, 16 prompts x 4 x 1024)  INIT=/tmp/gvt_init (REUSE_INIT=1 keeps it)
 #   T_ENGINE=180 T_TRL=240 (per-run timeouts, s)  MASTER_PORT=29600  FREE_LENGTH=1  CONFIGS='zero3_grpo zero2_grpo'
@@ -35,6 +36,7 @@
 set -u
 OUT=${OUT:-/tmp/grpo_vs_trl}
 STEPS=${STEPS:-6}
+TRL_STEPS=${TRL_STEPS:-$STEPS}
 RECIPE=${RECIPE:-engine/recipes/grpo_2b6.yaml}
 INIT=${INIT:-/tmp/gvt_init}
 PORT=${MASTER_PORT:-29600}
@@ -137,7 +139,7 @@ print(r['grpo']['max_new_tokens'], r['train']['lr'], r['grpo'].get('group_size',
       rm -f "$OUT/trl.jsonl"
       PORT=$((PORT + 1))
       timeout -k 15 "$limit" $DS --master_port "$PORT" --num_gpus 1 docs/bench/trl_grpo.py --model "$INIT" \
-        --prompts "$DATA" --steps "$STEPS" --max_new_tokens "$MNT" --lr "$LR" --group_size "$G" \
+        --prompts "$DATA" --steps "$TRL_STEPS" --max_new_tokens "$MNT" --lr "$LR" --group_size "$G" \
         --micro_batch "$MICRO" --grad_accum "$GA" --prompts_per_step $((MICRO * GA / G)) --ds_config ds_configs/zero3_grpo.json --out "$OUT/trl.jsonl" \
         --output_dir /tmp/gvt_trl > "$LOGS/trl.log" 2>&1
       echo "trl: exit $? in $((SECONDS - t))s (limit ${limit}s) $(grep -m1 -oE 'OutOfMemoryError|Error: .{0,120}' "$LOGS/trl.log")"
@@ -153,7 +155,7 @@ fi
 [ -f "$OUT/trl.jsonl" ] && RUNS="$RUNS trl|trl|-|$OUT/trl.jsonl"
 
 # Summary: one row per run in $OUT/grpo_vs_trl.jsonl, and the table
-RUNS="$RUNS" COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown) STEPS=$STEPS RECIPE=$RECIPE \
+RUNS="$RUNS" COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown) STEPS=$STEPS TRL_STEPS=$TRL_STEPS RECIPE=$RECIPE \
 python3 - "$OUT" <<'EOF' 2>&1 | tee "$OUT/summary.txt"
 import json, os, statistics, sys
 
@@ -161,6 +163,7 @@ import yaml
 
 out = sys.argv[1]
 steps_wanted = int(os.environ["STEPS"])
+trl_steps_wanted = int(os.environ["TRL_STEPS"])
 
 
 def med(xs):
@@ -189,7 +192,7 @@ def trl_row(path):
             "median_rollout_s", "rollout_tokens_per_s", "gen_ms_per_token_step", "completion_len",
             "completion_min_len", "peak_mem_gib", "reward", "kl", "trl_settings", "versions", "device")
     row = {k: r.get(k) for k in keep}
-    row["complete"] = (r.get("steps") or 0) >= steps_wanted
+    row["complete"] = (r.get("steps") or 0) >= trl_steps_wanted
     row["decode_ms_per_step"] = None  # TRL's generate is timed whole: gen_ms_per_token_step includes prefill, gather
     return row
 
