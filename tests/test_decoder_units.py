@@ -236,14 +236,19 @@ def test_topk_by_rank_chooses_what_torch_topk_does_largest_first_ties_to_the_low
     assert topk_by_rank(x, 4).tolist() == [[1, 2, 4, 0], [0, 1, 2, 3], [2, 3, 0, 1]]
 
 
-def test_a_decoder_with_the_counted_top_k_decodes_and_routes_as_torch_topk():
-    """[fails if: the decoder's topk="rank" is not wired to its routers, or chooses other experts or tokens than the
-    torch.topk decoder (greedy, fp32, the same weights; recorded expert ids compared as sets)]"""
+def test_a_decoder_with_the_counted_top_k_decodes_and_routes_as_torch_topk(monkeypatch):
+    """[fails if: the decoder's topk="rank" is not wired to its routers (or "torch" calls it), or chooses other experts
+    or tokens than the torch.topk decoder (greedy, fp32, the same weights; recorded expert ids compared as sets)]"""
     from transformers import AutoModelForCausalLM
 
+    import engine.decoder
     from engine.config import ModelConfig
     from engine.decoder import Decoder
     from engine.model import make_hf_config
+
+    calls = []
+    counted = engine.decoder.topk_by_rank
+    monkeypatch.setattr(engine.decoder, "topk_by_rank", lambda x, k: calls.append(k) or counted(x, k))
 
     torch.manual_seed(0)
     mc = ModelConfig(q_lora_rank=48, num_shared_experts=2, first_dense_layers=1, num_layers=3, num_experts=8,
@@ -257,8 +262,10 @@ def test_a_decoder_with_the_counted_top_k_decodes_and_routes_as_torch_topk():
         dec = Decoder(model, "cpu", batch_size=4, cache_len=32, decode_experts="dense", record_routes=True, topk=topk)
         routers = [m for m in dec.model.modules() if hasattr(m, "_topk_by_rank")]
         assert len(routers) == 2 and all(m._topk_by_rank == (topk == "rank") for m in routers)
+        calls.clear()
         out[topk] = dec.generate(ids, mask, 8, eos_id=-1, pad_id=0, temperature=0)
         routes[topk] = dec.last_routes(3, out[topk].shape[1])
+        assert (len(calls) > 0) == (topk == "rank"), (topk, len(calls))
     assert torch.equal(out["torch"], out["rank"])
     assert routes["rank"].any() and torch.equal(routes["torch"].sort(-1).values, routes["rank"].sort(-1).values)
     with pytest.raises(ValueError, match="topk 'radix' is not torch or rank"):
