@@ -232,7 +232,7 @@ def ungrouped_router_forward(self, hidden_states: torch.Tensor):
     router_logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))
     scores = router_logits.sigmoid()
     choice = scores + self.e_score_correction_bias
-    topk_indices = (topk_by_rank(choice, self.top_k) if getattr(self, "_topk_by_rank", False)
+    topk_indices = (topk_by_rank(choice, self.top_k) if self._topk_by_rank
                     else torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1])
     topk_weights = scores.gather(1, topk_indices)
     if self.norm_topk_prob:
