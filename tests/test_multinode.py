@@ -117,8 +117,20 @@ def ssh_config_block(token: str, port: int, key: Path, known_hosts: Path) -> str
 
 
 def guide_env(cluster) -> dict:
-    """The guide's variables with this machine's values: the only difference from the guide's commands."""
-    return dict(os.environ, NODE0=NODE0, NODE1=NODE1, PORT=str(cluster.port), IFNAME="lo", GPUS="1")
+    """The guide's variables with this machine's values: the only difference from the guide's commands. A free
+    rendezvous port for each block: a port picked once and reused minutes later by a resume can meanwhile be taken
+    (a killed job's leftovers, other work on the host), and then rank 0 fails to listen while node 1 waits out its
+    store timeout."""
+    return dict(os.environ, NODE0=NODE0, NODE1=NODE1, PORT=str(rendezvous_port(cluster.ssh_port)), IFNAME="lo",
+                GPUS="1")
+
+
+def rendezvous_port(ssh_port: int) -> int:
+    for _ in range(5):
+        rdv = free_port()
+        if rdv != ssh_port and port_free_on(rdv, NODE0):
+            return rdv
+    return rdv
 
 
 def run_block(cluster, name: str, **kw) -> subprocess.CompletedProcess:
@@ -290,11 +302,7 @@ LogLevel ERROR
             start("nodes", [sshd, "-D", "-e", "-f", str(sshd_config("nodes", NODE0, NODE1))], NODE0)
             wait_listening(NODE1, port, procs[0], tmp / "sshd_nodes.log")
         edit_ssh_config(lambda text: ssh_config_block(token, port, key, tmp / "known_hosts") + text)
-        for _ in range(5):  # the guide's rendezvous port
-            rdv = free_port()
-            if rdv != port and port_free_on(rdv, NODE0):
-                break
-        c = SimpleNamespace(tmp=tmp, work=work, port=rdv, local_disks=local_disks,
+        c = SimpleNamespace(tmp=tmp, work=work, ssh_port=port, local_disks=local_disks,
                             node1_runs=node1_runs if local_disks else work / "runs", sshd=[p.pid for p in procs])
 
         def append_guide_ssh_config(text: str) -> str:  # under the lock; marked so that teardown removes it
