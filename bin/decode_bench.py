@@ -53,9 +53,9 @@ def main(argv=None) -> int:
     ap.add_argument("--logits", choices=("bf16", "fp32"), default="fp32",
                     help="fp32 (the default): the decoder's logits as one GEMM with an fp32 result (CUDA), as the "
                     "trainer's output layer; bf16: transformers' bf16 logits upcast, to compare the two")
-    ap.add_argument("--topk", choices=("torch", "rank"), default="torch",
-                    help="the router's top-k in the decode step: torch.topk (the default) or counted ranks, which the "
-                    "compile fuses with the router's arithmetic (engine/decoder.py topk_by_rank)")
+    ap.add_argument("--topk", choices=("torch", "rank"), default="rank",
+                    help="the router's top-k in the decode step: counted ranks (the default), which the compile fuses "
+                    "with the router's arithmetic (engine/decoder.py topk_by_rank), or torch.topk")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
 

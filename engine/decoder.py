@@ -108,7 +108,7 @@ def dense_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
 
 
 def fuse_for_decode(model: torch.nn.Module, dense_experts: bool, fold_shared: bool = True,
-                    topk: str = "torch") -> list[torch.Tensor]:
+                    topk: str = "rank") -> list[torch.Tensor]:
     """Lay out the decoder's weights for fewer, larger GEMMs; returns the new storages.
 
     Linears that read the same input share one storage, rows stacked, and each keeps its own weight as a view
@@ -246,8 +246,9 @@ def topk_by_rank(x: torch.Tensor, k: int) -> torch.Tensor:
     it (an (E, E) comparison per row; E is a router's expert count), all in arithmetic that the decode step's compile
     fuses with the router's sigmoid, where torch.topk is a library kernel of its own with buffers to clear before it (on
     CUDA its kernels took 68 us of each 2.7 ms decode step at grpo_2b6's shape, 11 MoE layers, in a profile:
-    docs/bench/grpo_speed/h200_1204_late/profile_zero2/, besides the memsets). The decoder's `topk="rank"`; not its
-    default until measured on a GPU (bin/decode_bench.py --topk)."""
+    docs/bench/grpo_speed/h200_1204_late/profile_zero2/, besides the memsets). The decoder's default (`topk="rank"`):
+    its decode step measured 3.30 ms against torch.topk's 3.34-3.35 on one H100, batch 64 (docs/benchmarks.md); "torch"
+    keeps torch.topk (bin/decode_bench.py --topk)."""
     E = x.shape[-1]
     e = torch.arange(E, device=x.device)
     above = x[..., None, :] > x[..., :, None]  # [t, i, j]: value j above value i
@@ -462,7 +463,7 @@ class Decoder:
     def __init__(self, module: torch.nn.Module, device, batch_size: int, cache_len: int,
                  decode_experts: str = "auto", compile: bool | None = None, record_routes: bool = False,
                  fold_shared: bool = True, compile_mode: str = "reduce-overhead", attention: str = "auto",
-                 logits: str = "fp32", topk: str = "torch"):
+                 logits: str = "fp32", topk: str = "rank"):
         from transformers import StaticCache
 
         decode_experts = resolve_decode_experts(decode_experts, device)
