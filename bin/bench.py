@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from engine.auto_batch import AutoBatch, device_memory_gib  # noqa: E402
+from engine.auto_batch import AutoBatch, device_memory_gib, settle_checkpointing  # noqa: E402
 from engine.config import ConfigError, load_recipe  # noqa: E402
 from engine.ds_config import read_ds_config, resolve_ds_config  # noqa: E402
 from engine.data import load_tokenizer, to_device  # noqa: E402
@@ -91,6 +91,7 @@ def main(argv=None) -> int:
         wanted = "auto" in (raw.get("train_micro_batch_size_per_gpu"), raw.get("gradient_accumulation_steps"))
         auto = AutoBatch(memory_gib=device_memory_gib(device_kind(), args.memory_fraction) if wanted else None)
         ds = resolve_ds_config(raw, recipe, world.size, world.local_size, device=device_kind(), auto_batch=auto)
+        recipe = settle_checkpointing(recipe, auto)
         tok = load_tokenizer(recipe.data.tokenizer)
     except ConfigError as e:
         if world.rank == 0:

@@ -43,6 +43,13 @@ GRPO_CPU_MICRO = 16  # GRPO on the CPU: its rows are short (prompt + completion)
 # the recompute. The thresholds lie between those points: a judgment, not a sweep.
 CKPT_BELOW_TOKENS = 4096
 CKPT_ROWS_GAIN = 4
+# Pretraining's "auto" (AutoBatch): under ZeRO-3 (not pipeline stages) on where, without it, a micro-batch would hold
+# fewer than PRETRAIN_CKPT_BELOW_TOKENS tokens and with it at least CKPT_ROWS_GAIN times the rows; under any stage
+# where nothing fits without it. Measured on one H100 80GB, deepseek_2b6 at 129,280, seq 2048 (docs/benchmarks.md,
+# "H100, 2026-12-06 (second)"): zero3.json 4 x 16 without it 44.6k tokens/s, 32 x 2 with it 52.2k (1.17x: ZeRO-3
+# pays its gathers once per micro-batch); zero2.json 4 x 16 56.6k against 32 x 2 55.2k (0.976x), so ZeRO-1/2 keep it
+# off. An H200 fits 16 rows of 2048 without it (32k tokens), where it is not measured: off.
+PRETRAIN_CKPT_BELOW_TOKENS = 16384
 SEQUENCES_PER_STEP = 64  # default accumulation target on accelerators: 64 x seq_len tokens per step per GPU
 
 # Calibration (one H200, seq_len 2048, deepseek_2b6: 2,590,255,104 parameters, hidden 2048, 12 layers; the rows are
@@ -252,6 +259,14 @@ def with_checkpointing(recipe: Recipe, on: bool) -> Recipe:
     return replace(recipe, train=replace(recipe.train, activation_checkpointing=on))
 
 
+def settle_checkpointing(recipe: Recipe, auto: "AutoBatch | None") -> Recipe:
+    """`recipe` with a train.activation_checkpointing of "auto" replaced by what `auto` chose with the micro-batch
+    (off where no "auto" batch was resolved: the DS file's numbers, or no AutoBatch); true or false kept."""
+    if recipe.train.activation_checkpointing != "auto":
+        return recipe
+    return with_checkpointing(recipe, bool(auto is not None and auto.checkpointing))
+
+
 def predict_peak_gib(cfg: dict, recipe: Recipe, dp: int, micro: int, device: str = "cuda") -> float:
     """Predicted peak device memory of one rank at micro-batch `micro` (cfg: the DS config, autoep_size resolved)."""
     return (states_gib(cfg, recipe, dp) + FIXED_GIB[min(_stage(cfg), 3)] + micro * per_sample_gib(cfg, recipe, device)
@@ -342,6 +357,7 @@ class AutoBatch:
     """On --resume: the checkpoint's engine_state.json ("micro_batch", "grad_accum"); these win over a fresh "auto"."""
     note: str = ""
     chosen: dict = field(default_factory=dict)
+    checkpointing: bool = False  # train.activation_checkpointing as resolved (pick_micro): what the model runs with
 
     def resolve(self, cfg: dict, recipe: Recipe, dp: int, device: str) -> list[str]:
         """Fill cfg's "auto" micro-batch and accumulation in place; returns problems (nothing fits the device)."""
@@ -386,6 +402,13 @@ class AutoBatch:
                        "grad_accum": cfg.get("gradient_accumulation_steps", 1)}
         self.note = (f"batch: micro-batch {self.chosen['micro_batch']} x {self.chosen['grad_accum']} accumulation per "
                      f"GPU (\"auto\": {'; '.join(why)})")
+        if (micro_auto and rec.get("micro_batch") is not None and recipe.train.activation_checkpointing == "auto"
+                and self.sized(device) and "pipeline" not in cfg):
+            # --resume: the checkpoint's micro-batch, with checkpointing where it does not fit without
+            without = self.peak_gib(cfg, with_checkpointing(recipe, False), dp, rec["micro_batch"], device)
+            self.checkpointing = without > self.usable_gib()
+            self.note += (f"; activation checkpointing {'on' if self.checkpointing else 'off'} at micro-batch "
+                          f"{rec['micro_batch']}")
         return []
 
     def sized(self, device: str) -> bool:
@@ -405,7 +428,28 @@ class AutoBatch:
         return predict_peak_gib(cfg, recipe, dp, micro, device)
 
     def pick_micro(self, cfg: dict, recipe: Recipe, dp: int, device: str) -> tuple[int, str, str | None]:
-        """(micro-batch, why, problem): the largest candidate whose predicted peak fits; problem if none does."""
+        """(micro-batch, why, problem): the largest candidate whose predicted peak fits; problem if none does. With
+        train.activation_checkpointing "auto", also whether to checkpoint (`checkpointing`): on where nothing fits
+        without it but something does with it, or where `checkpointing_pays`."""
+        ckpt = recipe.train.activation_checkpointing
+        self.checkpointing = ckpt is True
+        micro, why, problem = self.fit_micro(cfg, with_checkpointing(recipe, ckpt is True), dp, device)
+        if ckpt == "auto" and self.sized(device) and "pipeline" not in cfg:
+            on, why_on, problem_on = self.fit_micro(cfg, with_checkpointing(recipe, True), dp, device)
+            if not problem_on and (problem or self.checkpointing_pays(cfg, recipe, micro, on)):
+                without = "nothing fits" if problem else f"{micro} row{'s' if micro > 1 else ''}"
+                self.checkpointing, micro, problem = True, on, None
+                why = f"{why_on}; activation checkpointing on (\"auto\": {without} without it)"
+        return micro, why, problem
+
+    def checkpointing_pays(self, cfg: dict, recipe: Recipe, micro: int, on: int) -> bool:
+        """Pretraining: ZeRO-3, fewer than PRETRAIN_CKPT_BELOW_TOKENS tokens a micro-batch without checkpointing and
+        CKPT_ROWS_GAIN times the rows with it (measured, see the constants)."""
+        return (_stage(cfg) == 3 and micro * recipe.data.seq_len < PRETRAIN_CKPT_BELOW_TOKENS
+                and on >= CKPT_ROWS_GAIN * micro)
+
+    def fit_micro(self, cfg: dict, recipe: Recipe, dp: int, device: str) -> tuple[int, str, str | None]:
+        """(micro-batch, why, problem) as the recipe stands: the largest candidate whose predicted peak fits."""
         if not self.sized(device):
             return (*self.cpu_micro(), None)
         usable = self.usable_gib()
@@ -455,7 +499,6 @@ class GRPOAutoBatch(AutoBatch):
     seq_len: int = 1
     extra_gib: float = 0.0
     what: str = ""  # how `sequences` was set, for the batch line
-    checkpointing: bool = False  # train.activation_checkpointing as resolved (pick_micro): what the policy runs with
 
     def candidates(self) -> tuple[int, ...]:
         """Powers of 2 dividing the rollout batch, up to the tokens of pretraining's largest candidate (32 rows of
@@ -482,33 +525,15 @@ class GRPOAutoBatch(AutoBatch):
     def beside(self) -> str:
         return f", the reference policy and the rollout decoder {self.extra_gib:.1f} GiB"
 
+    def checkpointing_pays(self, cfg: dict, recipe: Recipe, micro: int, on: int) -> bool:
+        """GRPO: any stage, fewer than CKPT_BELOW_TOKENS tokens a micro-batch without it (its rows are short)."""
+        return micro * self.seq_len < CKPT_BELOW_TOKENS and on >= CKPT_ROWS_GAIN * micro
+
     def pick_micro(self, cfg: dict, recipe: Recipe, dp: int, device: str) -> tuple[int, str, str | None]:
-        """As AutoBatch's; with train.activation_checkpointing "auto", also whether to checkpoint (`checkpointing`)."""
-        ckpt = recipe.train.activation_checkpointing
-        self.checkpointing = ckpt is True
-        micro, why, problem = super().pick_micro(cfg, with_checkpointing(recipe, ckpt is True), dp, device)
-        if ckpt == "auto" and self.sized(device):
-            on, why_on, problem_on = super().pick_micro(cfg, with_checkpointing(recipe, True), dp, device)
-            few = problem or (micro * self.seq_len < CKPT_BELOW_TOKENS
-                              and on >= CKPT_ROWS_GAIN * micro)
-            if few and not problem_on:
-                without = "nothing fits" if problem else f"{micro} row{'s' if micro > 1 else ''}"
-                self.checkpointing, micro, problem = True, on, None
-                why = f"{why_on}; activation checkpointing on (\"auto\": {without} without it)"
+        micro, why, problem = super().pick_micro(cfg, recipe, dp, device)
         if not problem and self.sized(device):
             why = f"rows of up to {self.seq_len} tokens, {why} (the reference and the decoder {self.extra_gib:.1f} GiB)"
         return micro, why, problem
-
-    def resolve(self, cfg: dict, recipe: Recipe, dp: int, device: str) -> list[str]:
-        """As AutoBatch's; on a --resume whose checkpoint recorded the micro-batch, "auto" checkpointing is on where
-        that micro-batch does not fit without it."""
-        problems = super().resolve(cfg, recipe, dp, device)
-        rec = (self.recorded or {}).get("micro_batch")
-        if not problems and rec is not None and recipe.train.activation_checkpointing == "auto" and self.sized(device):
-            without = self.peak_gib(cfg, with_checkpointing(recipe, False), dp, rec, device)
-            self.checkpointing = without > self.usable_gib()
-            self.note += f"; activation checkpointing {'on' if self.checkpointing else 'off'} at micro-batch {rec}"
-        return problems
 
     def pick_accum(self, recipe: Recipe, micro: int, device: str) -> tuple[int, str]:
         return max(1, self.sequences // micro), f"{self.sequences} sequences per step per GPU ({self.what}) / {micro}"

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoint, pipeline
-from .auto_batch import AutoBatch, device_memory_gib, host_memory_problem
+from .auto_batch import AutoBatch, device_memory_gib, host_memory_problem, settle_checkpointing
 from .flops import model_flops_per_token, peak_tflops
 from .fp8 import can_run_fp8, convert as fp8_convert, convert_experts as fp8_experts, fp8_problems
 from .balance import ExpertBalance
@@ -125,6 +125,7 @@ def preflight(args: argparse.Namespace, world: World):
             ds.setdefault("checkpoint", {})["load_universal"] = True
     if problems:
         raise ConfigError("; ".join(problems))
+    recipe = settle_checkpointing(recipe, auto)  # "auto": decided with the micro-batch (ZeRO-3 on a tight device)
     recipe, schedule_lines = checkpoint.lr_schedule(recipe)
     for line in ([auto.note] if auto.note else []) + schedule_lines:
         print0(line)  # once, before any rank does work: what "auto" chose and why, the LR schedule on a resume
@@ -191,7 +192,7 @@ def build(recipe: Recipe, ds: dict, tok, world: World):
         kind = get_accelerator().device_name()
         if recipe.train.fp8:
             names = fp8_convert(model, recipe.train.fp8, kind)
-        if recipe.train.activation_checkpointing is True:  # "auto": off in pretraining (measured for GRPO only)
+        if recipe.train.activation_checkpointing is True:  # "auto" was settled with the batch (settle_checkpointing)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine = build_engine(model, ds, recipe.train)
     if recipe.train.fp8:  # the routed experts exist once deepspeed.initialize has swapped in AutoEP's layers

@@ -191,14 +191,16 @@ def test_pretraining_auto_on_an_80gb_card_picks_what_ran_and_covers_its_peaks():
     """One H100 80GB (79.2 GiB as device_memory_gib gave it), deepseek_2b6 at 129,280 through bin/pretrain.py with
     zero2.json and zero3.json as shipped (docs/bench/grpo_speed/h100_1205_b/vp/): "auto" ran micro-batch 4 x 16 under
     both. The model, sized for that card, picks 4 (8 predicted over the usable memory) and predicts at least each
-    measured peak, by at most 5 GiB more (66.9 against 64.3, 65.7 against 61.2). [fails if: the model under-predicts
-    a peak that ran, or picks another micro-batch on the card it ran on]"""
-    from engine.auto_batch import AutoBatch
+    measured peak, by at most 5 GiB more (66.9 against 64.3, 65.7 against 61.2). The rows ran without activation
+    checkpointing (pretraining's "auto" then; it now takes it under zero3.json on this card:
+    test_pretraining_auto_checkpointing_under_zero3_on_a_tight_device). [fails if: the model under-predicts a peak
+    that ran, or picks another micro-batch on the card it ran on]"""
+    from engine.auto_batch import AutoBatch, with_checkpointing
 
     rows = [json.loads(line) for line in open(ROOT / "docs" / "bench" / "grpo_speed" / "h100_1205_b" / "vp" /
                                              "vocab_pretrain.jsonl")]
     assert {r["ds_config"] for r in rows} == {"zero2.json", "zero3.json"}
-    recipe = load_recipe(RECIPES / "deepseek_2b6.yaml")
+    recipe = with_checkpointing(load_recipe(RECIPES / "deepseek_2b6.yaml"), False)
     for row in rows:
         raw = read_ds_config(ROOT / "ds_configs" / row["ds_config"])
         auto = AutoBatch(memory_gib=79.2)
@@ -530,6 +532,35 @@ def test_grpo_auto_checkpointing_follows_the_rows_a_micro_batch_holds():
     assert pick(79.2, 272, recorded={"micro_batch": 64, "grad_accum": 1})[:2] == (64, True)
     micro, on, note = pick(79.2, 272, recorded={"micro_batch": 8, "grad_accum": 8})
     assert (micro, on) == (8, False) and note.endswith("activation checkpointing off at micro-batch 8")
+
+
+def test_pretraining_auto_checkpointing_under_zero3_on_a_tight_device():
+    """Pretraining's train.activation_checkpointing "auto" (AutoBatch): on under ZeRO-3 where a micro-batch would
+    hold fewer than 16,384 tokens without it and 4x the rows with it (deepseek_2b6 at 129,280 on an 80 GB H100: 4 ->
+    32 rows, measured 1.17x the tokens/s), off under ZeRO-2 at the same shapes (measured 0.976x), off where 16 rows
+    of 2048 fit (an H200), off for pipeline stages and for the DS file's own numbers; on at the checkpoint's
+    micro-batch on a --resume where it does not fit without it. [fails if: the ZeRO-3 rule is dropped, ZeRO-2 takes
+    it, an explicit value is overridden, or a resume ignores the checkpoint's micro-batch]"""
+    from engine.auto_batch import AutoBatch, settle_checkpointing, with_checkpointing
+
+    r = load_recipe(RECIPES / "deepseek_2b6.yaml")
+    assert r.train.activation_checkpointing == "auto" and r.data.seq_len == 2048
+
+    def pick(name, memory=79.2, recipe=r, recorded=None, **ds_set):
+        a = AutoBatch(memory_gib=memory, recorded=recorded)
+        ds = resolve_ds_config({**read_ds_config(ROOT / "ds_configs" / name), **ds_set}, recipe, 1, 1, device="cuda",
+                               auto_batch=a)
+        return ds["train_micro_batch_size_per_gpu"], settle_checkpointing(recipe, a).train.activation_checkpointing
+
+    assert pick("zero3.json") == (32, True)
+    assert pick("zero2.json") == (4, False)
+    assert pick("zero3.json", memory=139.8) == (16, False)
+    assert pick("zero3.json", recipe=with_checkpointing(r, False)) == (4, False)
+    assert pick("zero2.json", recipe=with_checkpointing(r, True)) == (32, True)
+    assert pick("zero3.json", train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=16) == (4, False)
+    assert pick("zero3.json", recorded={"micro_batch": 32, "grad_accum": 2}) == (32, True)
+    assert pick("zero3.json", recorded={"micro_batch": 4, "grad_accum": 16}) == (4, False)
+    assert settle_checkpointing(r, None).train.activation_checkpointing is False  # no "auto" batch: off
 
 
 def test_optimizer_offload_beyond_the_hosts_memory_is_one_line(monkeypatch, capfd, tmp_path):

@@ -270,7 +270,8 @@ def test_compiled_model_leaves_only_autoep_eager_and_matches_eager(tmp_path):
 @pytest.mark.parametrize("value, on", [("auto", False), (True, True), (False, False)])
 def test_pretraining_checkpoints_activations_only_when_asked(tmp_path, value, on):
     """train.activation_checkpointing in pretraining: true checkpoints each decoder layer; the default "auto" is off
-    there (GRPO decides it with its micro-batch). [fails if: "auto" is read as true, or true is ignored]"""
+    on a CPU (on a GPU it is decided with the micro-batch: test_auto_batch). [fails if: "auto" is read as true, or true
+    is ignored]"""
     from engine.data import load_tokenizer
     from engine.parallel import init_distributed, world_from_env
     from engine.pretrain import build
