@@ -367,14 +367,10 @@ def test_the_tests_written_batch_copy_is_the_shipped_grpo_config():
     assert copy == {**shipped, "train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 4}
 
 
-@pytest.mark.parametrize("lengths_vary", [False, True])
-def test_parameter_free_functions_compiled_for_varying_lengths_trace_once(monkeypatch, lengths_vary):
-    """GRPO's rows change length every step. engine/model.compile_parameter_free(lengths_vary=True) (GRPO's policy
-    under ZeRO-3 on CUDA: build_engine(lengths_vary=True)) traces each function once for any length; without it
-    (pretraining's fixed shapes) the second length traces again (on one H200 that recompile made GRPO's step 2 0.6-0.9
-    s longer).
-    Dynamo with the eager backend here: the tracing and its guards are what is checked, not inductor's kernels."""
-    from torch._dynamo.utils import counters
+def _tiny_compiled_parameter_free(monkeypatch, lengths_vary: bool):
+    """(model config, a tiny DeepSeek-V3 model with compile_parameter_free applied, the real torch.compile): torch.compile
+    patched to Dynamo's eager backend (tracing and guards, not inductor's kernels), the module-wide rotary patch
+    restored after the test."""
     from transformers import AutoModelForCausalLM
 
     from engine.config import load_recipe
@@ -387,10 +383,23 @@ def test_parameter_free_functions_compiled_for_varying_lengths_trace_once(monkey
     real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, options=None, **kw: real(fn, backend="eager", **kw))
     hf_module = __import__("sys").modules[type(model).__module__]
-    for name in ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave"):  # patched module-wide: restored after
+    for name in ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave"):
         if hasattr(hf_module, name):
             monkeypatch.setattr(hf_module, name, getattr(hf_module, name))
     assert compile_parameter_free(model, lengths_vary=lengths_vary)
+    return m, model, real
+
+
+@pytest.mark.parametrize("lengths_vary", [False, True])
+def test_parameter_free_functions_compiled_for_varying_lengths_trace_once(monkeypatch, lengths_vary):
+    """GRPO's rows change length every step. engine/model.compile_parameter_free(lengths_vary=True) (GRPO's policy
+    under ZeRO-3 on CUDA: build_engine(lengths_vary=True)) traces each function once for any length; without it
+    (pretraining's fixed shapes) the second length traces again (on one H200 that recompile made GRPO's step 2 0.6-0.9
+    s longer).
+    Dynamo with the eager backend here: the tracing and its guards are what is checked, not inductor's kernels."""
+    from torch._dynamo.utils import counters
+
+    m, model, _ = _tiny_compiled_parameter_free(monkeypatch, lengths_vary)
     torch._dynamo.reset()
     counters.clear()
     graphs = []
@@ -413,22 +422,8 @@ def test_no_grad_passes_use_the_compiled_functions_in_grpo_only(monkeypatch, len
     another compile (the decoder's step) runs the eager code in both. [fails if: GRPO's no-grad calls skip the
     compiled code, or pretraining's take it]"""
     from torch._dynamo.utils import counters
-    from transformers import AutoModelForCausalLM
 
-    from engine.config import load_recipe
-    from engine.model import compile_parameter_free, make_hf_config
-
-    m = load_recipe(None, {"model.hidden_size": 32, "model.intermediate_size": 64, "model.moe_intermediate_size": 16,
-                           "model.num_layers": 2, "model.first_dense_layers": 1}).model
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(make_hf_config(m))
-    real = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, options=None, **kw: real(fn, backend="eager", **kw))
-    hf_module = __import__("sys").modules[type(model).__module__]
-    for name in ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave"):  # patched module-wide: restored after
-        if hasattr(hf_module, name):
-            monkeypatch.setattr(hf_module, name, getattr(hf_module, name))
-    assert compile_parameter_free(model, lengths_vary=lengths_vary)
+    m, model, real = _tiny_compiled_parameter_free(monkeypatch, lengths_vary)
     torch._dynamo.reset()
     counters.clear()
     x = torch.randint(0, m.vocab_size, (2, 12))
