@@ -753,3 +753,27 @@ def test_grpo_out_of_memory_tells_setup_from_training(monkeypatch, where):
         assert "while building the model" in lines[0]
     else:
         assert "at micro-batch 8 x accumulation 4" in lines[0] and "grpo.max_new_tokens" in lines[0]
+
+
+def test_preflight_settles_auto_checkpointing_with_the_batch(tmp_path, monkeypatch):
+    """bin/pretrain.py's preflight hands the ranks a recipe whose train.activation_checkpointing "auto" is what the
+    "auto" batch chose (AutoBatch.checkpointing; off on the CPU), and keeps an explicit false. [fails if: the recipe
+    leaves preflight still "auto" (the build would then never checkpoint), or the batch's choice overrides false]"""
+    from engine import pretrain
+    from engine.auto_batch import AutoBatch
+
+    r, _, _ = preflight_of(tmp_path, ZERO3)
+    assert r.train.activation_checkpointing is False  # the CPU: settled, off
+
+    class Checkpointing(AutoBatch):
+        def resolve(self, cfg, recipe, dp, device):
+            problems = super().resolve(cfg, recipe, dp, device)
+            self.checkpointing = True
+            return problems
+
+    monkeypatch.setattr(pretrain, "AutoBatch", Checkpointing)
+    r, _, _ = preflight_of(tmp_path, ZERO3)
+    assert r.train.activation_checkpointing is True
+    off = TINY.replace("train:\n", "train:\n  activation_checkpointing: false\n", 1)
+    r, _, _ = preflight_of(tmp_path, ZERO3, recipe=off)
+    assert r.train.activation_checkpointing is False
