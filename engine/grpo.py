@@ -31,7 +31,7 @@ from .grpo_math import GRPOLossConfig, group_advantages, keep_mask, kl_k3, polic
 from .metrics import DeviceClock, Metrics, print0
 from .model import build_model, make_hf_config
 from .pretrain import (check_ranks_agree, compile_layers, forget_zero3_for_transformers, is_out_of_memory,
-                       out_of_memory, peak_memory_gib, report_error, start_ranks)
+                       memory_stats, out_of_memory, report_error, start_ranks)
 from .parallel import World, build_engine, device_kind, model_dtype, world_from_env
 from .rewards import build_rewards
 from .routing import Router, agreement, has_moe
@@ -868,7 +868,7 @@ def metrics_row(run: Run, r: Rollouts, scores, reward, stats: dict, phases: dict
            "lr": run.policy.get_lr()[0], "response_len": _mean_all(r.attn[:, r.p_len:].sum(1).float().mean()),
            "generated_tokens": new_tokens, "rollout_tokens_per_s": new_tokens / max(r.seconds, 1e-9),
            "train_tokens_per_s": _sum_all(float(r.attn.sum()) * forwards) / max(train_s, 1e-9),
-           "rollout_s": r.seconds, "train_s": train_s, **phases, "step_s": step_s, "peak_mem_gib": peak_memory_gib(),
+           "rollout_s": r.seconds, "train_s": train_s, **phases, "step_s": step_s, **memory_stats(),
            **loss_stats(stats, n_micro)}
     if getattr(run.rollout, "decode_steps", 0):
         row["decode_ms_per_step"] = 1000 * run.rollout.decode_s / run.rollout.decode_steps

@@ -328,7 +328,7 @@ def train(recipe: Recipe, engine, data, tok, world: World) -> list[dict]:
                    "tokens_per_s": n * tokens_per_step / elapsed, "tokens_per_s_per_rank": per_rank,
                    "tflops_per_s_per_rank": per_rank * flops_tok / 1e12,
                    **({"mfu": per_rank * flops_tok / 1e12 / peak} if peak else {}),
-                   "tokens": tokens, "world_size": world.size, "peak_mem_gib": peak_memory_gib(),
+                   "tokens": tokens, "world_size": world.size, **memory_stats(),
                    **grad_stats(engine), **balance.load_stats()}
             metrics.log(row)
             rows.append(row)
@@ -488,6 +488,19 @@ def peak_memory_gib() -> float:
 
         return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)  # KiB on Linux
     return round(acc.max_memory_allocated() / 2**30, 3)
+
+
+def memory_stats() -> dict:
+    """The metrics row's memory fields: `peak_mem_gib` (peak_memory_gib), and on CUDA `alloc_retries`, this rank's
+    count since start of the caching allocator's retries (an allocation that failed, then succeeded after the
+    allocator freed its cached blocks and synchronized the device: a count that grows from row to row means the
+    batch fits only just, and each retry costs time)."""
+    from deepspeed.accelerator import get_accelerator
+
+    row = {"peak_mem_gib": peak_memory_gib()}
+    if get_accelerator().device_name() == "cuda":
+        row["alloc_retries"] = int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
+    return row
 
 
 def forget_zero3_for_transformers() -> None:

@@ -777,3 +777,20 @@ def test_preflight_settles_auto_checkpointing_with_the_batch(tmp_path, monkeypat
     off = TINY.replace("train:\n", "train:\n  activation_checkpointing: false\n", 1)
     r, _, _ = preflight_of(tmp_path, ZERO3, recipe=off)
     assert r.train.activation_checkpointing is False
+
+
+def test_memory_stats_count_the_allocators_retries_on_cuda_only(monkeypatch):
+    """The metrics rows' memory fields: the peak everywhere, `alloc_retries` (torch.cuda.memory_stats'
+    num_alloc_retries) on CUDA only. [fails if: the retries are left out on CUDA, read from another key, or a CPU row
+    gets a made-up count]"""
+    from types import SimpleNamespace
+
+    import deepspeed.accelerator
+
+    from engine import pretrain
+
+    monkeypatch.setattr(pretrain, "peak_memory_gib", lambda: 1.5)
+    assert pretrain.memory_stats() == {"peak_mem_gib": 1.5}  # this machine: the CPU accelerator
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: SimpleNamespace(device_name=lambda: "cuda"))
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {"num_alloc_retries": 7, "num_ooms": 0})
+    assert pretrain.memory_stats() == {"peak_mem_gib": 1.5, "alloc_retries": 7}
