@@ -112,9 +112,10 @@ class TrainConfig:
     balance_rate: float = 0.0
     """Aux-loss-free balancing (DeepSeek-V3): per-step update of each expert's routing bias. 0 = off."""
     activation_checkpointing: bool | str = "auto"
-    """Recompute each decoder layer's activations in backward: about 1/3 more compute, far less memory. auto: off in
-    pretraining; in GRPO with a DS config's "auto" batch, on where it lets a micro-batch hold at least 4 times the rows
-    and without it a micro-batch would hold fewer than 4096 tokens (or nothing would fit) (engine/auto_batch.py)."""
+    """Recompute each decoder layer's activations in backward: about 1/3 more compute, far less memory. auto, with a
+    DS config's "auto" batch on a GPU: on where nothing fits without it, or where it lets a micro-batch hold at least
+    4 times the rows and without it a micro-batch would hold fewer than 4096 tokens (GRPO) or 16,384 tokens under
+    ZeRO-3 (pretraining; ZeRO-1/2 pretraining: off) (engine/auto_batch.py); off otherwise."""
     tokens_per_step_per_gpu: int | None = None
     """Target tokens per optimizer step per data-parallel rank, for a DS config's gradient_accumulation_steps "auto"
     (accumulation = this / (micro-batch x data.seq_len), rounded, at least 1). Unset: 64 x data.seq_len on an
