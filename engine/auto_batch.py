@@ -5,7 +5,9 @@
     gradient_accumulation_steps: "auto"     -> train.tokens_per_step_per_gpu / (micro x data.seq_len), rounded half
                                                up, at least 1 (default target: 64 sequences on an accelerator;
                                                on the CPU 1 step, as the files shipped before "auto")
-A number written in the file is kept as written. On --resume the checkpoint's recorded values win over a fresh
+train.activation_checkpointing "auto" is decided with the micro-batch (AutoBatch.pick_micro: the micro-batch is
+fitted with and without it; see CKPT_BELOW_TOKENS and PRETRAIN_CKPT_BELOW_TOKENS). A number written in the file is
+kept as written. On --resume the checkpoint's recorded values win over a fresh
 "auto" (exact resume depends on them); a number written in the file still wins over both.
 
 The memory model is analytic, calibrated on peaks measured on one H200 (`max_memory_allocated`, docs/bench/*.jsonl):
