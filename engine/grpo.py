@@ -25,7 +25,7 @@ from .config import (ConfigError, GRPOConfig, Recipe, hf_tokenizer, hf_weights_p
                      model_from_hf_dir)
 from .data import load_tokenizer, vocab_problem
 from .devprof import idle_report
-from .auto_batch import SEQUENCES_PER_STEP, GRPOAutoBatch, host_memory_problem, with_checkpointing
+from .auto_batch import SEQUENCES_PER_STEP, GRPOAutoBatch, host_memory_problem, settle_checkpointing
 from .ds_config import BATCH_KEYS, read_ds_config, resolve_ds_config, whole_model_on_one_gpu, zero_stage
 from .grpo_math import GRPOLossConfig, group_advantages, keep_mask, kl_k3, policy_loss
 from .metrics import DeviceClock, Metrics, print0
@@ -348,7 +348,7 @@ def preflight(args, world: World):
         ds = resolve_ds_config(raw, auto.memory_recipe, world.size, world.local_size, where=where,
                                device=device_kind(), auto_batch=auto)
         batch_note = auto.note
-        recipe = with_checkpointing(recipe, auto.checkpointing)  # "auto" resolved with the micro-batch
+        recipe = settle_checkpointing(recipe, auto)  # "auto" resolved with the micro-batch
         got = ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
         if got != per_rank:  # --resume keeps the checkpoint's values
             problems.append(f"{where}: \"auto\" kept the checkpoint's batch ({ds['train_micro_batch_size_per_gpu']} x "
@@ -381,8 +381,7 @@ def preflight(args, world: World):
             ds.setdefault("checkpoint", {})["load_universal"] = True
     if problems:
         raise ConfigError("; ".join(problems))
-    if recipe.train.activation_checkpointing == "auto":  # the file's numbers, or no device memory to fit: off
-        recipe = with_checkpointing(recipe, False)
+    recipe = settle_checkpointing(recipe, None)  # still "auto": the file's numbers, or no device memory to fit: off
     recipe, schedule_lines = checkpoint.lr_schedule(recipe)
     for line in ([batch_note] if batch is not None else []) + schedule_lines:
         print0(line)  # once, before any rank does work: what "auto" chose and why, the LR schedule on a resume
