@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -110,10 +111,44 @@ def pytest_unconfigure(config):
         shutil.rmtree(config._moe_cache, ignore_errors=True)
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    try:
+        lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+_handed_out: set[int] = set()
+_rng = random.Random()  # apart from the random module's state, which tests seed
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A TCP port nothing listens on, for a launcher's rendezvous, taken outside the kernel's ephemeral range: a port
+    the kernel hands out for bind(0) can be handed out again, to the other worker's gloo sockets or outgoing
+    connections, between this check and the launcher's listen (EADDRINUSE). Each xdist worker draws from its own
+    residue class, and never hands out a port twice."""
+    lo, hi = _ephemeral_ports()
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    w = int(worker[2:]) if worker[2:].isdigit() else 0
+    n = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1), w + 1)
+    pool = [p for p in [*range(20000, lo), *range(hi + 1, 65536)] if p % n == w and p not in _handed_out]
+    for port in _rng.sample(pool, min(200, len(pool))):
+        if all(_bindable(addr, port) for addr in ("127.0.0.1", "0.0.0.0")):
+            _handed_out.add(port)
+            return port
+    with socket.socket() as s:  # no port outside the ephemeral range is free: the kernel's pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _bindable(addr: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((addr, port))
+        except OSError:
+            return False
+    return True
 
 
 NODEBUG_CXX = ROOT / "tests" / "scripts" / "nodebug" / "c++"
