@@ -134,7 +134,7 @@ def free_port() -> int:
     n = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1), w + 1)
     pool = [p for p in [*range(20000, lo), *range(hi + 1, 65536)] if p % n == w and p not in _handed_out]
     for port in _rng.sample(pool, min(200, len(pool))):
-        if all(_bindable(addr, port) for addr in ("127.0.0.1", "0.0.0.0")):
+        if port_free_on(port, "127.0.0.1", "0.0.0.0"):
             _handed_out.add(port)
             return port
     with socket.socket() as s:  # no port outside the ephemeral range is free: the kernel's pick
@@ -142,12 +142,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _bindable(addr: str, port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((addr, port))
-        except OSError:
-            return False
+def port_free_on(port: int, *addrs: str) -> bool:
+    for a in addrs:
+        with socket.socket() as s:
+            try:
+                s.bind((a, port))
+            except OSError:
+                return False
     return True
 
 

@@ -31,7 +31,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from conftest import DEEPSPEED, ROOT, env, free_port, read_metrics, run_in_process
+from conftest import DEEPSPEED, ROOT, env, free_port, port_free_on, read_metrics, run_in_process
 
 from engine.cluster import InputError, parse_hostfile, read_deepspeed_env
 
@@ -80,16 +80,6 @@ def install_missing() -> None:
     if p.returncode:
         why = (p.stderr.strip().splitlines() or ["no output"])[-1]
         pytest.skip(f"apt-get install {' '.join(missing)} failed: {why}")
-
-
-def port_free_on(port: int, *addrs: str) -> bool:
-    for a in addrs:
-        with socket.socket() as s:
-            try:
-                s.bind((a, port))
-            except OSError:
-                return False
-    return True
 
 
 def wait_listening(addr: str, port: int, proc: subprocess.Popen, log: Path, timeout: float = 15) -> None:
