@@ -99,7 +99,11 @@ def main(argv=None) -> int:
         return 2
     if auto.note and world.rank == 0:
         print(auto.note, flush=True)
-    init_distributed()
+    try:
+        init_distributed()
+    except ConfigError as e:  # the rendezvous port is taken
+        print_error(f"error: {e}")
+        return 2
     from deepspeed.accelerator import get_accelerator
 
     acc = get_accelerator()

@@ -1123,7 +1123,8 @@ def main(argv=None) -> int:
         if world.rank == 0:
             from .export.write import export
 
-            export(args.init_from, init, dtype="fp32", force=True)
+            export(args.init_from, init, dtype="fp32", force=True,
+                   log=lambda m: print(f"the starting checkpoint as a Hugging Face model in {init}: {m}"))
         dist.barrier()
     try:
         rows = train(recipe, ds, tok, prompts, evals, rewards, init, world, source, args.profile_step)

@@ -53,7 +53,12 @@ def init_distributed(watchdog: bool = True, timeout_s: float | None = None) -> N
     skip_cpu_shm_op()
     quick_cpu_info()
     quiet_torch_deprecations_in_deepspeed()
-    deepspeed.init_distributed(**({"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}))
+    try:
+        deepspeed.init_distributed(**({"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}))
+    except RuntimeError as e:  # torch's DistNetworkError
+        if "EADDRINUSE" not in str(e):
+            raise
+        raise ConfigError(port_taken_line(os.environ.get("MASTER_PORT", "?"))) from e
     # DeepSpeed's own process groups wait up to torch's default timeout (10-30 min) on a dead peer; the watchdog
     # ends this rank within MOE_PEER_TIMEOUT s (default 30) instead (docs/multinode.md).
     if watchdog:
@@ -62,6 +67,15 @@ def init_distributed(watchdog: bool = True, timeout_s: float | None = None) -> N
 
     if get_accelerator().device_name() == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def port_taken_line(port: str) -> str:
+    """Rank 0 could not listen on the rendezvous port: what the user sees instead of torch's traceback."""
+    import socket
+
+    return (f"--master_port {port} is taken on {socket.gethostname()}: another process listens there (another job, "
+            f"or one left over from a stopped one; `ss -ltnp | grep :{port}` names it); start again with a free "
+            f"port: deepspeed --master_port PORT ...")
 
 
 def dump_stacks_on_sigusr1() -> None:

@@ -390,7 +390,11 @@ def start_ranks(world: World, problem: ConfigError | None) -> bool:
     ranks, so a rank that just exited left the other nodes' ranks waiting at the rendezvous for torch's timeout
     (10 min). A world of one with a problem stops before any of it."""
     if problem is None:
-        init_distributed()
+        try:
+            init_distributed()
+        except ConfigError as e:  # the rendezvous port is taken (rank 0; the launcher then stops this node's ranks)
+            report_error(e, world)
+            return False
         found = gather_problems(world, None)
     else:
         found = fail_together(world, problem) if world.size > 1 else str(problem)
@@ -413,7 +417,7 @@ def fail_together(world: World, problem: ConfigError) -> str:
     try:
         init_distributed(watchdog=watchdog, timeout_s=FAIL_TOGETHER_S)
         return gather_problems(world, problem)
-    except (RuntimeError, TimeoutError):  # torch's DistNetworkError / DistStoreError are RuntimeErrors
+    except (RuntimeError, TimeoutError, ConfigError):  # torch's DistNetworkError / DistStoreError; a taken port
         return str(problem)
 
 

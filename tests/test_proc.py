@@ -83,6 +83,31 @@ def test_a_refused_launch_ends_with_its_error_line(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_taken_master_port_is_one_line(tmp_path):
+    """Rank 0 cannot listen on --master_port (another process holds it): instead of torch's EADDRINUSE traceback,
+    one `error:` line naming the port and the fix, last, exit 2; the launcher stops the other rank, which was waiting
+    for rank 0."""
+    import socket
+
+    from conftest import DEEPSPEED, free_port
+
+    port = free_port()
+    with socket.socket() as holder:
+        holder.bind(("0.0.0.0", port))
+        holder.listen()
+        cmd = [DEEPSPEED, "--master_port", str(port), "--num_gpus", "2", str(ROOT / "bin" / "pretrain.py"),
+               "--deepspeed_config", str(ROOT / "ds_configs" / "zero3.json"), "--max_steps", "1",
+               "--run_dir", str(tmp_path / "run")]
+        p = subprocess.run(cmd, cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           timeout=300)
+    lines = [line for line in p.stdout.splitlines() if line.strip()]
+    assert p.returncode == 2, p.stdout[-3000:]
+    assert [line for line in lines if "error:" in line] == [lines[-1]], p.stdout[-3000:]
+    assert lines[-1].startswith(f"error: --master_port {port} is taken on {socket.gethostname()}: "), lines[-1]
+    assert "Traceback" not in p.stdout, p.stdout[-3000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 def test_print_error_without_a_launcher_writes_at_once(capfd):
     from engine.proc import print_error
 
