@@ -146,9 +146,9 @@ def test_dapo_token_normalizer_and_grpo_empty_sequence():
 # --- the loss: clipping on both sides ------------------------------------------------------------------
 
 def test_clipping_both_sides_and_zero_gradient():
-    # one sequence of 7 tokens, per-token advantages, clip_low 0.2 -> [0.8, ...], clip_high 0.28 -> [..., 1.28]
-    ratios = t([[0.5, 0.5, 2.0, 2.0, 1.0, 1.25, 0.5]])
-    adv = t([[-1.0, 1.0, 1.0, -1.0, 1.0, 1.0, 0.0]])
+    # one sequence of 9 tokens, per-token advantages, clip_low 0.2 -> [0.8, ...], clip_high 0.28 -> [..., 1.28]
+    ratios = t([[0.5, 0.5, 2.0, 2.0, 1.0, 1.25, 0.5, 0.6, 1.5]])
+    adv = t([[-1.0, 1.0, 1.0, -1.0, 1.0, 1.0, 0.0, -2.0, 0.5]])
     # per token -min(r A, clip(r) A):
     #   r=0.5,  A=-1: -min(-0.5, -0.8)  =  0.8   clipped low (active), no gradient
     #   r=0.5,  A=+1: -min( 0.5,  0.8)  = -0.5   not clipped
@@ -157,16 +157,19 @@ def test_clipping_both_sides_and_zero_gradient():
     #   r=1.0,  A=+1: -1.0                        inside the band
     #   r=1.25, A=+1: -1.25                       inside [0.8, 1.28]: clip_high is not clip_low
     #   r=0.5,  A=0:   0                          no advantage: not counted as clipped
-    # dapo mean: (0.8 - 0.5 - 1.28 + 2.0 - 1.0 - 1.25 + 0) / 7 = -1.23 / 7
+    #   r=0.6,  A=-2: -min(-1.2, -1.6)  =  1.6   clipped low
+    #   r=1.5,  A=.5: -min(0.75, 0.64)  = -0.64  clipped high
+    # dapo mean: (0.8 - 0.5 - 1.28 + 2.0 - 1.0 - 1.25 + 0 + 1.6 - 0.64) / 9 = -0.27 / 9
+    # clipped: low 2 of 9 (A < 0 only), high 2 of 9 (A > 0 only); the other sign's count would be 1 of 9 each
     logp = torch.log(ratios).requires_grad_()
     cfg = GRPOLossConfig(clip_low=0.2, clip_high=0.28, aggregation="dapo")
     loss, stats = policy_loss(logp, torch.zeros_like(logp), adv, torch.ones_like(logp), cfg)
-    assert loss.item() == pytest.approx(-1.23 / 7, rel=1e-9)
-    assert stats["clip_frac_low"].item() == pytest.approx(1 / 7)
-    assert stats["clip_frac_high"].item() == pytest.approx(1 / 7)
+    assert loss.item() == pytest.approx(-0.27 / 9, rel=1e-9)
+    assert stats["clip_frac_low"].item() == pytest.approx(2 / 9)
+    assert stats["clip_frac_high"].item() == pytest.approx(2 / 9)
     loss.backward()
-    # unclipped token: d(-r A / 7)/d logp = -r A / 7 (dr/dlogp = r); clipped tokens and A = 0: 0
-    expected = [0.0, -0.5 / 7, 0.0, 2.0 / 7, -1.0 / 7, -1.25 / 7, 0.0]
+    # unclipped token: d(-r A / 9)/d logp = -r A / 9 (dr/dlogp = r); clipped tokens and A = 0: 0
+    expected = [0.0, -0.5 / 9, 0.0, 2.0 / 9, -1.0 / 9, -1.25 / 9, 0.0, 0.0, 0.0]
     assert logp.grad[0].tolist() == pytest.approx(expected, abs=1e-12)
 
 
