@@ -200,8 +200,8 @@ def test_rollout_micro_batches_are_packed_longest_first_and_remade_for_another_s
     micro-batch cut to the columns its rows use (rows 0 and 2 span columns 0-5; rows 3 and 1 start at column 1 and
     end before column 4). Asked for another size it makes them again; micro_batches(pack=False) gives consecutive
     rows over every column, the last micro-batch short.
-    [fails if: packing is off by default, the sort is ascending, a micro-batch starts at its rows' latest first
-    token or ends one column early, the cached micro-batches are reused for another size, or unpacked ones are cut]"""
+    [fails if: packing is off by default, the sort is ascending, rows that end together are not longest first, a
+    micro-batch starts at its rows' latest first token or ends one column early, the cached micro-batches are reused for another size, or unpacked ones are cut]"""
     from engine.grpo import micro_batches
 
     r = rollouts()
@@ -211,6 +211,9 @@ def test_rollout_micro_batches_are_packed_longest_first_and_remade_for_another_s
     assert [(set(m.rows.tolist()), m.lo, m.hi) for m in r.micro_batches(2)] == shape
     plain = micro_batches(ATTN[:3], 2, pack=False)
     assert [(m.rows.tolist(), m.lo, m.hi) for m in plain] == [([0, 1], 0, 6), ([2], 0, 6)]
+    # rows ending at the same column: the earliest-starting (longest) first, so the late starters share a micro-batch
+    same_end = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1], [0, 0, 0, 1], [0, 1, 1, 1]])
+    assert [(set(m.rows.tolist()), m.lo, m.hi) for m in micro_batches(same_end, 2)] == [({1, 3}, 0, 4), ({0, 2}, 2, 4)]
 
 
 def test_replay_and_targets_of_a_micro_batch():
