@@ -27,14 +27,6 @@ def grads(loss, *xs):
     return torch.autograd.grad(loss, xs)
 
 
-def test_tokens_are_cut_into_chunks_of_one_size_but_the_last():
-    """At most 3 tokens a chunk here: 4 tokens are 2 + 2 (not 3 + 1), 5 are 3 + 2; a compiled chunk kernel sees one
-    or two shapes. [fails if: chunks are cut at the largest size whatever the count]"""
-    from engine.head import chunk_tokens
-
-    assert [chunk_tokens(V, n) for n in (1, 3, 4, 5, 7, 10, 37)] == [1, 3, 2, 3, 3, 3, 3]
-
-
 def test_cross_entropy_equals_the_plain_loss_and_gradients():
     from engine.head import cross_entropy
 

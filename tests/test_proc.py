@@ -64,18 +64,26 @@ def test_exit_now_leaves_the_usual_way_under_a_profiler(tmp_path):
     assert (tmp_path / "prof.out").stat().st_size > 0 and (tmp_path / "out.txt").read_text() == "written"
 
 
-def test_a_refused_launch_ends_with_its_error_line(tmp_path):
-    """Through the real launcher, 2 ranks refusing a bad recipe value in preflight, stdout and stderr in one stream
-    as a terminal shows them: the launcher's lines ("Killing subprocess", "[ERROR] ... exits with return code = 2")
-    come first, the one `error:` line last (engine/proc.py: print_error), and the exit code stays 2."""
-    from conftest import DEEPSPEED, free_port
+def launch_pretrain(tmp_path, port: int, max_steps: int):
+    """bin/pretrain.py on 2 ranks through the real launcher, stdout and stderr in one stream as a terminal shows them:
+    the process and its non-blank lines."""
+    from conftest import DEEPSPEED
 
-    cmd = [DEEPSPEED, "--master_port", str(free_port()), "--num_gpus", "2", str(ROOT / "bin" / "pretrain.py"),
-           "--deepspeed_config", str(ROOT / "ds_configs" / "zero3.json"), "--max_steps", "0",
+    cmd = [DEEPSPEED, "--master_port", str(port), "--num_gpus", "2", str(ROOT / "bin" / "pretrain.py"),
+           "--deepspeed_config", str(ROOT / "ds_configs" / "zero3.json"), "--max_steps", str(max_steps),
            "--run_dir", str(tmp_path / "run")]
     p = subprocess.run(cmd, cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        timeout=300)
-    lines = [line for line in p.stdout.splitlines() if line.strip()]
+    return p, [line for line in p.stdout.splitlines() if line.strip()]
+
+
+def test_a_refused_launch_ends_with_its_error_line(tmp_path):
+    """Through the real launcher, 2 ranks refusing a bad recipe value in preflight: the launcher's lines ("Killing
+    subprocess", "[ERROR] ... exits with return code = 2") come first, the one `error:` line last (engine/proc.py:
+    print_error), and the exit code stays 2."""
+    from conftest import free_port
+
+    p, lines = launch_pretrain(tmp_path, free_port(), max_steps=0)
     assert p.returncode == 2, p.stdout[-3000:]
     assert "exits with return code = 2" in p.stdout, p.stdout[-3000:]  # the launcher did print its lines
     assert [line for line in lines if "error:" in line] == [lines[-1]], p.stdout[-3000:]
@@ -89,18 +97,13 @@ def test_a_taken_master_port_is_one_line(tmp_path):
     for rank 0."""
     import socket
 
-    from conftest import DEEPSPEED, free_port
+    from conftest import free_port
 
     port = free_port()
     with socket.socket() as holder:
         holder.bind(("0.0.0.0", port))
         holder.listen()
-        cmd = [DEEPSPEED, "--master_port", str(port), "--num_gpus", "2", str(ROOT / "bin" / "pretrain.py"),
-               "--deepspeed_config", str(ROOT / "ds_configs" / "zero3.json"), "--max_steps", "1",
-               "--run_dir", str(tmp_path / "run")]
-        p = subprocess.run(cmd, cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           timeout=300)
-    lines = [line for line in p.stdout.splitlines() if line.strip()]
+        p, lines = launch_pretrain(tmp_path, port, max_steps=1)
     assert p.returncode == 2, p.stdout[-3000:]
     assert [line for line in lines if "error:" in line] == [lines[-1]], p.stdout[-3000:]
     assert lines[-1].startswith(f"error: --master_port {port} is taken on {socket.gethostname()}: "), lines[-1]
