@@ -261,4 +261,3 @@ def test_each_rank_rounds_with_its_own_noise(monkeypatch):
         opt.step()
         out.append(p.detach())
     assert not torch.equal(out[0], out[1])
-
