@@ -44,7 +44,7 @@ from engine.ds_config import read_ds_config, resolve_ds_config  # noqa: E402
 from engine.data import load_tokenizer, to_device  # noqa: E402
 from engine.devprof import idle_report  # noqa: E402
 from engine.metrics import DeviceClock, json_line  # noqa: E402
-from engine.parallel import device_kind, init_distributed, world_from_env  # noqa: E402
+from engine.parallel import device_kind, world_from_env  # noqa: E402
 from engine import pipeline, pretrain  # noqa: E402
 from engine.flops import H100_SXM_BF16_TFLOPS, model_flops_per_token, peak_tflops  # noqa: E402
 from engine.proc import print_error  # noqa: E402
@@ -99,10 +99,7 @@ def main(argv=None) -> int:
         return 2
     if auto.note and world.rank == 0:
         print(auto.note, flush=True)
-    try:
-        init_distributed()
-    except ConfigError as e:  # the rendezvous port is taken
-        print_error(f"error: {e}")
+    if not pretrain.start_ranks(world, None):  # init_distributed; a taken rendezvous port is its one error line
         return 2
     from deepspeed.accelerator import get_accelerator
 
