@@ -29,10 +29,10 @@ from .auto_batch import SEQUENCES_PER_STEP, GRPOAutoBatch, host_memory_problem, 
 from .ds_config import BATCH_KEYS, read_ds_config, resolve_ds_config, whole_model_on_one_gpu, zero_stage
 from .grpo_math import GRPOLossConfig, group_advantages, keep_mask, kl_k3, policy_loss
 from .metrics import DeviceClock, Metrics, print0
-from .model import build_model, make_hf_config
+from .model import build_model, compile_parameter_free, make_hf_config
 from .pretrain import (check_ranks_agree, compile_layers, forget_zero3_for_transformers, is_out_of_memory,
                        memory_stats, out_of_memory, report_error, start_ranks)
-from .parallel import World, build_engine, device_kind, model_dtype, world_from_env
+from .parallel import World, build_engine, compiles_parameter_free, device_kind, model_dtype, world_from_env
 from .rewards import build_rewards
 from .routing import Router, agreement, has_moe
 from .rollout import build_rollout, local_copy
@@ -476,7 +476,10 @@ def build_reference(policy, recipe: Recipe, ds: dict, tok, world_size: int):
     3.5e-5 in the CPU demo, where the engine's reference gives 0); on a CPU rank the reference stays the engine, with
     the policy's numbers (the copy's speed-up was measured on a GPU only)."""
     if reference_is_copy(ds, world_size, policy.device):
-        return local_copy(policy.module, policy.device, decode_experts="grouped_mm")
+        ref = local_copy(policy.module, policy.device, decode_experts="grouped_mm")
+        if compiles_parameter_free(ds, recipe.train, lengths_vary=True):  # as the policy's (parallel.build_engine)
+            compile_parameter_free(ref, lengths_vary=True)
+        return ref
     ref_ds = {k: v for k, v in ds.items() if k != "optimizer"}
     model = build_model(recipe.model, ref_ds, tok, dtype=model_dtype(ds), hf_config=policy.module.config)
     ref = build_engine(model, ref_ds)

@@ -119,12 +119,14 @@ def compile_parameter_free(model: torch.nn.Module, lengths_vary: bool = False) -
     RMSNorm's math, with its weight passed in after ZeRO-3's hook has gathered it; silu(gate) * up of the dense MLP
     and the shared experts; the rotary embedding; train.fp8's Float8Linear matmul (engine/fp8.py; eager, the amax,
     scale and cast of each operand are separate passes, forward and backward). Eager ops read and write the whole activation once per op (RMSNorm
-    alone is seven passes, in fp32); each compiled function is one fused kernel forward and one backward. Only calls
-    made with autograd on use the compiled code: evaluation and decoding (no_grad, or inside another torch.compile)
-    run transformers' eager code, and the compiled kernels round where the eager code does
-    (Inductor's emulate_precision_casts; without it a bf16 model's logits differed from the eager ones in 58% of
-    values on the CPU): so GRPO's no-grad passes (reference, old log-probs) and its policy pass agree to the bit on
-    the same weights, and the ratio of its first iteration is exactly 1. Returns what was patched.
+    alone is seven passes, in fp32); each compiled function is one fused kernel forward and one backward. Pretraining
+    (fixed lengths) uses the compiled code for calls with autograd on only: its evaluation (no_grad) runs transformers'
+    eager code at shapes of its own. GRPO (lengths_vary) uses it for its no-grad passes too (the reference, GRPO's
+    reference copy included: engine/grpo.py build_reference; the old log-probs); calls inside another torch.compile
+    (the rollout decoder's step) always run the eager code, traced into that compile. The compiled kernels round where
+    the eager code does (Inductor's emulate_precision_casts; without it a bf16 model's logits differed from the eager
+    ones in 58% of values on the CPU): so GRPO's no-grad passes and its policy pass agree to the bit on the same
+    weights, compiled or not, and the ratio of its first iteration is exactly 1. Returns what was patched.
     """
     import sys
     import types
@@ -141,7 +143,7 @@ def compile_parameter_free(model: torch.nn.Module, lengths_vary: bool = False) -
 
     def training(compiled, eager):
         def call(*args, **kwargs):
-            if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            if torch.compiler.is_compiling() or not (lengths_vary or torch.is_grad_enabled()):
                 return eager(*args, **kwargs)
             if lengths_vary:
                 for a in args:

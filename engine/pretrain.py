@@ -227,12 +227,12 @@ def compile_layers(model: torch.nn.Module, dynamic: bool | None = False) -> list
     change every step, so one trace per layer kind serves them). The forward function is compiled, not the module's
     call, so DeepSpeed's hooks on the layer (ZeRO-3: gather before, release after, its gradient reduce) stay eager
     around it and see the gathered weights only. The kernels round where the eager code does (Inductor's
-    emulate_precision_casts): GRPO's eager reference and no-grad passes then agree with the compiled policy pass to the
-    bit on the same weights (without it GRPO's KL at step 1, policy and reference equal, doubled on one H100:
-    docs/benchmarks.md). Under ZeRO-3, DeepSpeed's linear (its memory_efficient_linear) reads each weight's ds_id, which
-    torch 2.11's dynamo guards on: one trace per layer, not one for all, so the recompile limit is raised to hold
-    them (at its default of 8 the later layers of a 12-layer model ran eager, seen on that H100). Returns what was
-    compiled."""
+    emulate_precision_casts): GRPO's reference and no-grad passes (layers eager) then agree with the compiled policy
+    pass to the bit on the same weights (without it GRPO's KL at step 1, policy and reference equal, doubled on one
+    H100: docs/benchmarks.md). Under ZeRO-3, DeepSpeed's linear (its memory_efficient_linear) reads each weight's
+    ds_id, which torch 2.11's dynamo guards on: one trace per layer, not one for all, so the recompile limit is raised
+    to hold them (at its default of 8 the later layers of a 12-layer model ran eager, seen on that H100). Returns what
+    was compiled."""
     import types
 
     from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer

@@ -367,14 +367,10 @@ def test_the_tests_written_batch_copy_is_the_shipped_grpo_config():
     assert copy == {**shipped, "train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 4}
 
 
-@pytest.mark.parametrize("lengths_vary", [False, True])
-def test_parameter_free_functions_compiled_for_varying_lengths_trace_once(monkeypatch, lengths_vary):
-    """GRPO's rows change length every step. engine/model.compile_parameter_free(lengths_vary=True) (GRPO's policy
-    under ZeRO-3 on CUDA: build_engine(lengths_vary=True)) traces each function once for any length; without it
-    (pretraining's fixed shapes) the second length traces again (on one H200 that recompile made GRPO's step 2 0.6-0.9
-    s longer).
-    Dynamo with the eager backend here: the tracing and its guards are what is checked, not inductor's kernels."""
-    from torch._dynamo.utils import counters
+def _tiny_compiled_parameter_free(monkeypatch, lengths_vary: bool):
+    """(model config, a tiny DeepSeek-V3 model with compile_parameter_free applied, the real torch.compile): torch.compile
+    patched to Dynamo's eager backend (tracing and guards, not inductor's kernels), the module-wide rotary patch
+    restored after the test."""
     from transformers import AutoModelForCausalLM
 
     from engine.config import load_recipe
@@ -387,10 +383,23 @@ def test_parameter_free_functions_compiled_for_varying_lengths_trace_once(monkey
     real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, options=None, **kw: real(fn, backend="eager", **kw))
     hf_module = __import__("sys").modules[type(model).__module__]
-    for name in ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave"):  # patched module-wide: restored after
+    for name in ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave"):
         if hasattr(hf_module, name):
             monkeypatch.setattr(hf_module, name, getattr(hf_module, name))
     assert compile_parameter_free(model, lengths_vary=lengths_vary)
+    return m, model, real
+
+
+@pytest.mark.parametrize("lengths_vary", [False, True])
+def test_parameter_free_functions_compiled_for_varying_lengths_trace_once(monkeypatch, lengths_vary):
+    """GRPO's rows change length every step. engine/model.compile_parameter_free(lengths_vary=True) (GRPO's policy
+    under ZeRO-3 on CUDA: build_engine(lengths_vary=True)) traces each function once for any length; without it
+    (pretraining's fixed shapes) the second length traces again (on one H200 that recompile made GRPO's step 2 0.6-0.9
+    s longer).
+    Dynamo with the eager backend here: the tracing and its guards are what is checked, not inductor's kernels."""
+    from torch._dynamo.utils import counters
+
+    m, model, _ = _tiny_compiled_parameter_free(monkeypatch, lengths_vary)
     torch._dynamo.reset()
     counters.clear()
     graphs = []
@@ -404,6 +413,52 @@ def test_parameter_free_functions_compiled_for_varying_lengths_trace_once(monkey
         assert graphs[2] == graphs[0], graphs
     else:
         assert graphs[1] > graphs[0], graphs  # what lengths_vary saves
+
+
+@pytest.mark.parametrize("lengths_vary", [False, True])
+def test_no_grad_passes_use_the_compiled_functions_in_grpo_only(monkeypatch, lengths_vary):
+    """GRPO (lengths_vary) runs its no-grad passes (the reference, the old log-probs) through the compiled
+    parameter-free functions too; pretraining's evaluation (no_grad, shapes of its own) stays eager; a call inside
+    another compile (the decoder's step) runs the eager code in both. [fails if: GRPO's no-grad calls skip the
+    compiled code, or pretraining's take it]"""
+    from torch._dynamo.utils import counters
+
+    m, model, real = _tiny_compiled_parameter_free(monkeypatch, lengths_vary)
+    torch._dynamo.reset()
+    counters.clear()
+    x = torch.randint(0, m.vocab_size, (2, 12))
+    with torch.no_grad():
+        model(x)
+    traced = counters["stats"]["unique_graphs"]
+    outer = real(lambda ids: model(ids).logits, backend="eager", fullgraph=False)
+    counters.clear()
+    with torch.no_grad():
+        outer(x)
+    inside = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    assert (traced >= 3) if lengths_vary else (traced == 0), traced  # norm, silu(gate) * up, rotary
+    assert inside >= 1  # the outer compile traced the model (the wrappers' eager branch inside it)
+
+
+def test_grpo_reference_copy_takes_the_policy_s_compiled_functions(monkeypatch):
+    """build_reference's plain copy (ZeRO 0-2, or ZeRO-3 on one GPU) compiles its parameter-free functions where the
+    policy's are (parallel.compiles_parameter_free: CUDA, train.compile not false, forced here), and not otherwise.
+    [fails if: the reference copy stays eager while the policy's functions are compiled]"""
+    from types import SimpleNamespace
+
+    from engine import grpo
+
+    seen = []
+    monkeypatch.setattr(grpo, "reference_is_copy", lambda *a: True)
+    monkeypatch.setattr(grpo, "local_copy", lambda module, device, decode_experts: f"copy of {module}")
+    monkeypatch.setattr(grpo, "compile_parameter_free", lambda model, lengths_vary: seen.append((model, lengths_vary)))
+    policy = SimpleNamespace(module="policy", device="cuda:0")
+    recipe = SimpleNamespace(train="train")
+    for on in (True, False):
+        monkeypatch.setattr(grpo, "compiles_parameter_free",
+                            lambda ds, train, lengths_vary=False, on=on: on and train == "train" and lengths_vary)
+        assert grpo.build_reference(policy, recipe, {"zero_optimization": {"stage": 2}}, None, 1) == "copy of policy"
+    assert seen == [("copy of policy", True)]
 
 
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.skipif(
@@ -433,8 +488,11 @@ def test_compiled_parameter_free_functions_give_the_eager_forward_to_the_bit(mon
     done = compile_parameter_free(model, lengths_vary=True)
     assert any("norm" in d for d in done) and any("rotary" in d for d in done), done
     compiled = model(x).logits  # autograd on: the compiled functions
+    with torch.no_grad():  # GRPO's no-grad passes (reference, old log-probs) compiled too: an inference graph
+        compiled_no_grad = model(x).logits
     torch._dynamo.reset()
     assert compiled.requires_grad and torch.equal(compiled, eager)
+    assert torch.equal(compiled_no_grad, eager)
 
 
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.skipif(
