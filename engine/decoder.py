@@ -90,16 +90,16 @@ def dense_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
     GEMMs, (T, H) x (H, E*2F) and (T, E*F) x (E*F, H), read the same weights once each at the bandwidth; E/k
     times the FLOPs, which a decode step has to spare. The second GEMM wants the down projections laid out
     (H, E, F): the decoder stores them so (`fuse_for_decode`); on any other layout the reshape copies (same
-    numbers, slower). hidden_states (T, H), top_k_index / top_k_weights (T, k) -> (T, H)."""
-    if self.has_bias or not self.has_gate or not getattr(self, "is_concatenated", True):
+    numbers, slower). Experts with biases, without a gate, with gate and up apart or in the transposed (E, in, out)
+    layout (none of the supported families has the last without biases) run transformers' grouped GEMMs instead.
+    hidden_states (T, H), top_k_index / top_k_weights (T, k) -> (T, H)."""
+    if (self.has_bias or not self.has_gate or not getattr(self, "is_concatenated", True)
+            or getattr(self, "is_transposed", False)):
         from transformers.integrations.moe import grouped_mm_experts_forward
 
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     T, E = hidden_states.shape[0], self.num_experts
     route = hidden_states.new_zeros(T, E).scatter_(1, top_k_index, top_k_weights.to(hidden_states.dtype))  # (T, E)
-    if self.is_transposed:  # (E, H, 2F) and (E, F, H): batched over the experts
-        h = self._apply_gate(torch.bmm(hidden_states.unsqueeze(0).expand(E, -1, -1), self.gate_up_proj))  # (E, T, F)
-        return torch.einsum("eth,te->th", torch.bmm(h, self.down_proj), route)
     H = hidden_states.shape[1]
     gate_up = F.linear(hidden_states, self.gate_up_proj.reshape(-1, H)).view(T, E, -1)  # (E, 2F, H) as (E*2F, H)
     h = self._apply_gate(gate_up) * route[..., None]  # (T, E, F), zero off the top-k

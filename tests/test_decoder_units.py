@@ -270,3 +270,38 @@ def test_a_decoder_with_the_counted_top_k_decodes_and_routes_as_torch_topk(monke
     assert routes["rank"].any() and torch.equal(routes["torch"].sort(-1).values, routes["rank"].sort(-1).values)
     with pytest.raises(ValueError, match="topk 'radix' is not torch or rank"):
         Decoder(model, "cpu", batch_size=4, cache_len=32, topk="radix")
+
+
+@pytest.mark.parametrize("topk", ["rank", "torch"])
+def test_the_decode_router_chooses_by_score_plus_bias_and_weighs_by_score(topk):
+    """The decoder's DeepSeek-V3 router with one expert group (ungrouped_router_forward) against transformers' own
+    router, with a routing bias that changes the choices (as train.balance_rate leaves it after training; a fresh
+    model's bias is 0, where dropping it changes nothing): experts chosen by sigmoid score + bias, weighted by the
+    score alone, normalized and scaled. [fails if: the decode router leaves the bias out of the choice, or weighs by
+    score + bias]"""
+    import copy
+    import types
+
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    from engine.decoder import ungrouped_router_forward
+
+    cfg = DeepseekV3Config(hidden_size=16, n_routed_experts=8, num_experts_per_tok=3, n_group=1, topk_group=1,
+                           norm_topk_prob=True, routed_scaling_factor=2.5)
+    g = torch.Generator().manual_seed(0)
+    hf = DeepseekV3TopkRouter(cfg)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(8, 16, generator=g))
+        hf.e_score_correction_bias.copy_(0.3 * torch.randn(8, generator=g))
+    x = torch.randn(40, 16, generator=g)
+    logits_hf, w_hf, i_hf = hf(x)
+    unbiased = torch.topk(logits_hf.sigmoid(), 3, dim=-1).indices
+    assert not torch.equal(unbiased.sort(-1).values, i_hf.sort(-1).values)  # the bias moves some choices
+    dec = copy.deepcopy(hf)
+    dec.forward, dec._topk_by_rank = types.MethodType(ungrouped_router_forward, dec), topk == "rank"
+    logits, w, i = dec(x)
+    torch.testing.assert_close(logits, logits_hf, atol=0, rtol=0)
+    order, order_hf = i.sort(-1), i_hf.sort(-1)
+    assert torch.equal(order.values, order_hf.values)
+    torch.testing.assert_close(w.gather(1, order.indices), w_hf.gather(1, order_hf.indices), atol=1e-6, rtol=0)

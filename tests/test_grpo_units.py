@@ -338,6 +338,30 @@ def test_sampling_by_piece_draws_the_softmax():
         torch.testing.assert_close(counts / 40000, p, atol=0.01, rtol=0)
 
 
+def test_sampling_by_piece_keeps_the_top_p_nucleus():
+    """With top_p < 1 the compiled decoder's draw (by_piece=True) samples the top-p nucleus as `sample` does (the
+    piece race is for the whole softmax only): 40,000 draws at temperature 0.7, top_p 0.6, each frequency within 0.01
+    of the nucleus's probability, no token outside it. [fails if: by_piece skips the nucleus]"""
+    from engine.decoder import draw
+
+    torch.manual_seed(0)
+    logits = torch.full((2048,), float("-inf"))
+    where = torch.tensor([3, 600, 601, 1100, 1600, 1601, 1602, 1603, 1604, 2047])
+    logits[where] = torch.tensor([1.0, 0.5, 0.5, 0.0, 0.3, 0.3, 2.0, 0.3, 0.3, -1.0])
+    p = (logits / 0.7).softmax(-1)
+    sorted_p, order = p.sort(descending=True)
+    keep = torch.zeros(2048, dtype=torch.bool)
+    keep[order[(sorted_p.cumsum(-1) - sorted_p) <= 0.6]] = True  # the smallest prefix reaching 0.6
+    assert 1 < int(keep.sum()) < 10
+    nucleus = torch.where(keep, p, 0.0) / torch.where(keep, p, 0.0).sum()
+    counts = torch.zeros(2048)
+    for _ in range(10):
+        tok, _ = draw(logits.expand(4000, -1), None, 0.7, 0.6, by_piece=True)
+        counts += torch.bincount(tok, minlength=2048).float()
+    assert counts[~keep].sum() == 0
+    torch.testing.assert_close(counts / 40000, nucleus, atol=0.01, rtol=0)
+
+
 def test_the_reference_is_a_copy_where_zero3_hooks_would_cost_and_numbers_allow():
     """grpo.reference_is_copy: ZeRO 0-2 always a plain copy; ZeRO-3 a copy only on one GPU rank with its
     parameters on it (the whole model is local there); on several ranks, with offloaded parameters, or on a CPU rank

@@ -369,3 +369,25 @@ checkpoint: {{at_end: false}}
     # (seeded run) branches after their first token, so prefixes were shared, and advantages changed along a path
     assert shared_total > 0 and varying > 0, seen["steps"]
     print(json.dumps(rows))
+
+
+def test_a_row_left_idle_by_a_decode_phase_never_sees_its_slots():
+    """Every decode step runs all rows at one shared cache slot; the rows a continue_rows call leaves out write K/V
+    of pad inputs there, which they must never see. A row left idle while the other decodes 5 tokens, then decoding
+    on its own, gives the tokens and entropies it gives with no such phase before it. [fails if: the mask opens a
+    decode step's slot to the rows that took no part in it]"""
+    from engine.decoder import Decoder
+
+    model = tiny()
+    ids, mask = prompts()
+    got = []
+    for phase_first in (False, True):
+        dec = Decoder(model, "cpu", batch_size=2, cache_len=7 + 12)
+        dec.prefill(ids, mask)
+        if phase_first:
+            dec.continue_rows([0], [5], eos_id=-1, pad_id=0, temperature=0)
+        # row 1 (3 pad slots, 4 prompt tokens at positions 0-3) fed token 17 at position 4, then 5 greedy tokens
+        got.append(dec.continue_rows([1], [5], eos_id=-1, pad_id=0, temperature=0, feed=([17], [4]))[:2])
+    (tok, ent), (tok_after, ent_after) = got
+    assert torch.equal(tok_after, tok), (tok, tok_after)
+    torch.testing.assert_close(ent_after, ent, atol=1e-5, rtol=0)
