@@ -532,6 +532,10 @@ def test_grpo_auto_checkpointing_follows_the_rows_a_micro_batch_holds():
     assert pick(79.2, 272, recorded={"micro_batch": 64, "grad_accum": 1})[:2] == (64, True)
     micro, on, note = pick(79.2, 272, recorded={"micro_batch": 8, "grad_accum": 8})
     assert (micro, on) == (8, False) and note.endswith("activation checkpointing off at micro-batch 8")
+    # the rule's edges: at least 4 times the rows with it, fewer than 4096 tokens without it
+    a = GRPOAutoBatch(memory_gib=79.2, sequences=64, seq_len=272, extra_gib=11.8, what="test")
+    assert a.checkpointing_pays(z3, r, 8, 32) and not a.checkpointing_pays(z3, r, 8, 31)
+    assert a.checkpointing_pays(z3, r, 15, 60) and not a.checkpointing_pays(z3, r, 16, 64)  # 4080 / 4352 tokens
 
 
 def test_pretraining_auto_checkpointing_under_zero3_on_a_tight_device():
@@ -561,6 +565,10 @@ def test_pretraining_auto_checkpointing_under_zero3_on_a_tight_device():
     assert pick("zero3.json", recorded={"micro_batch": 32, "grad_accum": 2}) == (32, True)
     assert pick("zero3.json", recorded={"micro_batch": 4, "grad_accum": 16}) == (4, False)
     assert settle_checkpointing(r, None).train.activation_checkpointing is False  # no "auto" batch: off
+    # the rule's edges: at least 4 times the rows with it, fewer than 16,384 tokens (8 rows of 2048) without it
+    z3, a = read_ds_config(ROOT / "ds_configs" / "zero3.json"), AutoBatch(memory_gib=79.2)
+    assert a.checkpointing_pays(z3, r, 4, 16) and not a.checkpointing_pays(z3, r, 4, 15)
+    assert a.checkpointing_pays(z3, r, 7, 28) and not a.checkpointing_pays(z3, r, 8, 32)
 
 
 def test_optimizer_offload_beyond_the_hosts_memory_is_one_line(monkeypatch, capfd, tmp_path):
