@@ -140,13 +140,13 @@ class TrainConfig:
     engine/model.py compile_parameter_free; +12% on one H200), DeepSpeed's hooks staying eager; off otherwise.
     true: always (refused where it cannot be done); under ZeRO-3 with decoder-layer leaves (zero_optimization.leaf_module
     "auto", as shipped) pretraining compiles each decoder layer's forward itself, AutoEP eager, DeepSpeed's hooks
-    around the layer (engine/pretrain.py compile_layers; not yet measured on a GPU, so auto does not take it).
-    false: never. All of this is pretraining's. bin/grpo.py: auto compiles the policy's parameter-free functions
-    under every ZeRO stage on CUDA and nothing else (layers eager; DeepSpeed's whole-layer compile of ZeRO 1-2
-    pretraining does not serve GRPO's changing lengths); true compiles the policy's decoder
-    layers, AutoEP eager, for any sequence length (compile_layers with dynamic shapes; measured on one H100 to gain
-    little or nothing for a longer step 1, docs/benchmarks.md, so auto does not take it); the reference's layers stay
-    eager."""
+    around the layer (engine/pretrain.py compile_layers; 1.05-1.09x on one H100, docs/benchmarks.md; auto does not
+    take it until a second card measures it). false: never. All of this is pretraining's. bin/grpo.py: auto compiles
+    the parameter-free functions of the policy and of its one-GPU reference copy (no-grad passes included) under every
+    ZeRO stage on CUDA and nothing else (layers eager; DeepSpeed's whole-layer compile of ZeRO 1-2 pretraining does
+    not serve GRPO's changing lengths); true compiles the policy's decoder layers, AutoEP eager, for any sequence
+    length (compile_layers with dynamic shapes; on one H100 steps 6% (ZeRO-2) and 1.4% (ZeRO-3) shorter for 26-59 s
+    more at step 1, docs/benchmarks.md, so auto does not take it); the reference's layers stay eager."""
 
 
 @dataclass
