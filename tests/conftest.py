@@ -226,6 +226,7 @@ class RankPool:
         self.ranks, self.k = ranks, 0
         self.dir = Path(tempfile.mkdtemp(prefix="moe-engine-pool-"))
         self.log = open(self.dir / "pool.log", "w")
+        (self.dir / "owner").write_text(str(os.getpid()))  # the ranks exit if this process dies without close()
         self.proc = subprocess.Popen([DEEPSPEED, "--master_port", str(free_port()), "--num_gpus", str(ranks),
                                       str(POOL), str(self.dir)], cwd=self.dir, env=env(), stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)

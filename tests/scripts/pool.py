@@ -3,7 +3,7 @@
 A job is a script (bin/pretrain.py, bin/grpo.py, a probe) run as `python SCRIPT ARGS` would run it on this rank
 (runpy, as __main__, with the job's argv, environment, sys.path and working directory), its stdout and stderr (file
 descriptors 1 and 2 too) in DIR/K.rankR.out/.err and its exit code in DIR/K.rankR.rc. Job K is DIR/K.json; DIR/stop
-ends the pool.
+ends the pool, and so does the exit of the process whose pid is in DIR/owner (the test worker).
 
 Why: every launch spends ~8 CPU-s in the runner and launcher and ~11 CPU-s per rank importing torch, transformers
 and DeepSpeed before its first step (docs/testing.md), on a 2-core machine. A job here pays only its own work. What
@@ -97,18 +97,35 @@ def run_job(spec: dict, out: Path, err: Path) -> int:
     return rc
 
 
+def owner_gone(pid: int) -> bool:
+    """The test process that started the pool (DIR/owner) has exited: killed, say, by a timeout, so its teardown
+    never wrote DIR/stop. The pool, in a session of its own, would otherwise poll for jobs forever."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
 def main() -> int:
     from engine.parallel import init_distributed
 
     d = Path([a for a in sys.argv[1:] if not a.startswith("--local_rank")][0])
+    owner = int((d / "owner").read_text()) if (d / "owner").exists() else None
     init_distributed()
     rank = int(os.environ["RANK"])
-    k = 0
+    k, checked = 0, time.time()
     while True:
         job = d / f"{k}.json"
         while not job.exists():
             if (d / "stop").exists():
                 return 0
+            if owner is not None and time.time() > checked + 1:
+                if owner_gone(owner):
+                    return 0
+                checked = time.time()
             time.sleep(0.02)
         rc = run_job(json.loads(job.read_text()), d / f"{k}.rank{rank}.out", d / f"{k}.rank{rank}.err")
         (d / f"{k}.rank{rank}.tmp").write_text(str(rc))
