@@ -139,6 +139,18 @@ def test_document_order_sorts_and_breaks_ties_by_the_seed():
     assert {tuple(document_order(keys, s)[:3]) for s in range(20)} != {tuple(order[:3])}  # ties: seeded, not file order
 
 
+def test_document_order_keeps_the_seeds_tie_order_whatever_the_other_keys_and_the_direction():
+    """The ties' order is the seed's alone: among documents with equal keys it is the same ascending, descending,
+    and with every key equal (the sort moves keys, it never reorders ties). [fails if: an unstable sort (numpy's
+    default argsort, SIMD-dispatched per CPU) orders ties by the other keys, the direction, or the host]"""
+    keys = np.random.default_rng(0).integers(0, 4, 300).astype(float)  # 300 documents, 4 distinct keys
+    up, down, flat = document_order(keys, 1), document_order(keys, 1, reverse=True), document_order(np.zeros(300), 1)
+    for v in range(4):
+        tied = [int(i) for i in flat if keys[i] == v]
+        assert [int(i) for i in up if keys[i] == v] == tied
+        assert [int(i) for i in down if keys[i] == v] == tied
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """60 documents of 1-60 words in a shuffled order, with a score column that runs against the length."""

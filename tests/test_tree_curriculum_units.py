@@ -112,6 +112,50 @@ def test_for_run_restores_the_checkpoints_statistics():
     assert for_run(CurriculumConfig(enabled=False), 20, 4, 3, state) is None
 
 
+def test_band_prompts_counts_every_prompt_in_the_band_not_only_the_drawn_ones():
+    """Guards against (curriculum_band_prompts counted over the drawn prompts): prompts 2 and 3 are in the band,
+    a draw of 0, 2, 4 holds only one of them; the metric is how many are in the band now (2), the drawn share 1/3."""
+    cur = _cur(n=10)
+    cur.attempts[:] = [0, 0, 4, 4, 4, 4, 4, 4, 4, 4]
+    cur.passes[:] = [0, 0, 2, 2, 0, 0, 0, 0, 0, 0]
+    d = cur.describe(np.array([0, 2, 4]))
+    assert d["curriculum_band_prompts"] == 2 and d["curriculum_in_band"] == pytest.approx(1 / 3)
+
+
+def test_the_reward_sum_decays_with_the_counts_on_a_new_draw():
+    """Guards against (reward_sum left out of the decay): the module doc's "earlier counts are first multiplied by
+    decay" holds for all three statistics; decay 0.5: rewards 1 + 0.5, then 0.25 on the next draw: 1.5 x 0.5 + 0.25."""
+    cur = _cur(n=3, decay=0.5)
+    cur.update([0, 0], [1.0, 0.5])
+    cur.update([0], [0.25])
+    assert cur.reward_sum.tolist() == [1.0, 0.0, 0.0]
+    assert cur.attempts.tolist() == [2.0, 0.0, 0.0] and cur.passes.tolist() == [0.5, 0.0, 0.0]  # 1 x 0.5 + 0
+
+
+def test_update_from_ranks_applies_every_ranks_completions_once(monkeypatch):
+    """Guards against (update_from_ranks applying only this rank's, or one rank's, part of the all-gather): as rank 1
+    of 2 (torch.distributed faked: all_gather_object returns rank 0's part, then this rank's), the statistics are
+    those of both ranks' completions, a prompt drawn on both ranks decayed once (decay 0.5, pass threshold 1)."""
+    import torch
+    import torch.distributed as dist
+
+    from engine.curriculum import local_part
+
+    rank0 = local_part([3, 4], np.array([1.0, 0.0, 1.0, 1.0]))  # prompt 3: 1 pass of 2; prompt 4: 2 of 2
+
+    def all_gather_object(parts, obj):
+        parts[:] = [rank0, obj]
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    cur = _cur(n=6, decay=0.5)
+    cur.attempts[3], cur.passes[3] = 2.0, 2.0
+    cur.update_from_ranks([5, 3], torch.tensor([0.0, 0.0, 1.0, 1.0]))  # this rank: prompt 5 0 of 2; prompt 3 2 of 2
+    assert cur.attempts.tolist() == [0, 0, 0, 2 * 0.5 + 4, 2, 2]
+    assert cur.passes.tolist() == [0, 0, 0, 2 * 0.5 + 3, 2, 0]
+
+
 # ----------------------------------------------------------------------------------------------- tree
 
 
@@ -255,3 +299,50 @@ def test_tree_info_parents_are_group_local_for_every_prompt():
                                 info.lengths[j * G:(j + 1) * G], rewards[j * G:(j + 1) * G].tolist())
         for i, a in enumerate(want):
             torch.testing.assert_close(adv[j * G + i, 6:6 + len(a)], torch.tensor(a, dtype=torch.float32))
+
+
+def test_a_chain_of_three_forks_shares_each_prefix_with_every_leaf_below_it():
+    """Guards against (shared_leaves' subtree sets built sources first, so a leaf's set misses its grandchildren's
+    branches): leaf 1 branched from leaf 0 at offset 1, leaf 2 from leaf 1 at 2, leaf 3 from leaf 2 at 3 (4 tokens
+    each, one tree). Offset 0 is every leaf's, offset 1 of leaf 1 is leaves 1-3's, offset 2 of leaf 2 leaves 2-3's.
+    Rewards 0, 1, 0, 1: V(all) = 1/2, V{1,2,3} = 2/3, V{2,3} = 1/2; (GA + LA) / sqrt(|leaves|) by hand."""
+    from engine.tree import shared_leaves, token_advantages
+
+    parents, starts, lengths = [-1, 0, 1, 2], [0, 1, 2, 3], [4, 4, 4, 4]
+    every, l123, l23 = 0b1111, 0b1110, 0b1100
+    assert shared_leaves(parents, starts, lengths) == [[every, 0b0001, 0b0001, 0b0001],
+                                                       [every, l123, 0b0010, 0b0010],
+                                                       [every, l123, l23, 0b0100],
+                                                       [every, l123, l23, 0b1000]]
+    root = 0.0  # the all-leaves node is the root itself: GA = LA = 0
+    n123 = 2 * (2 / 3 - 1 / 2) / math.sqrt(3)
+    n23 = ((1 / 2 - 1 / 2) + (1 / 2 - 2 / 3)) / math.sqrt(2)
+    want = [[root, -1.0, -1.0, -1.0],  # {0}: V 0, parent the root: (0 - 1/2) x 2
+            [root, n123, 5 / 6, 5 / 6],  # {1}: V 1, parent {1,2,3}: (1 - 1/2) + (1 - 2/3)
+            [root, n123, n23, -1.0],  # {2}: V 0, parent {2,3}: (0 - 1/2) + (0 - 1/2)
+            [root, n123, n23, 1.0]]  # {3}: V 1, parent {2,3}: (1 - 1/2) + (1 - 1/2)
+    got = token_advantages(parents, starts, lengths, [0.0, 1.0, 0.0, 1.0])
+    for g, w in zip(got, want):
+        assert g == pytest.approx(w, abs=1e-12)
+
+
+def test_segment_len_starts_each_iteration_at_its_window():
+    """Guards against (the window's start dropped: [0, t L)): with segment_len 2 the second iteration branches only
+    at offsets 2-3, even where an unbranched offset before the window (the chain's offset 0, left by the first
+    iteration, which took offset 1) has the highest entropy."""
+    from engine.config import TreeConfig
+    from engine.decoder import Decoder
+    from engine.tree import generate_tree, pick_branch_points
+
+    def peaks_at_0_and_1(entropy, starts, n, branched, window=None):
+        fake = [[{0: 9.0, 1: 10.0}.get(k, 1.0 / (1 + k)) for k in range(len(e))] for e in entropy]
+        return pick_branch_points(fake, starts, n, branched, window)
+
+    cfg = TreeConfig(enabled=True, trees=1, branch_points=1, branches=1, iterations=2, segment_len=2)
+    G, new = cfg.leaves(), 6
+    ids, mask = _prompts()
+    dec = Decoder(_tiny_model(), "cpu", batch_size=2 * G, cache_len=7 + new * 3)
+    out, info = generate_tree(dec, ids, mask, cfg, new, eos_id=-1, pad_id=0, temperature=0, pick=peaks_at_0_and_1)
+    first, second = info.branch_points[:2], info.branch_points[2:]  # 2 prompts x 1 tree x 1 point per iteration
+    assert [k for _, k in first] == [1, 1], info.branch_points
+    assert all(2 <= k < 4 for _, k in second), info.branch_points
