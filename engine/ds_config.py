@@ -403,9 +403,27 @@ def resolve_expert_parallel(cfg: dict, recipe: Recipe, world_size: int, stages: 
                  f"({recipe.model.arch!r}); set it to {recipe.model.arch!r} or remove it")
     if ep.get("combine_impl", "auto") == "auto":
         # The default weighted sum materialises [tokens x top_k x hidden] in fp32 (zeros, index_put, mul, sum);
-        # the Triton kernel does it in one pass: +14% tokens/s on one H200 (docs/benchmarks.md). CUDA only.
-        ep["combine_impl"] = "fused_weighted_sum" if device == "cuda" else "weighted_sum"
+        # the Triton kernel does it in one pass: +14% tokens/s on one H200 (docs/benchmarks.md). CUDA only, and not
+        # where DeepSpeed refuses it (validate_autoep_config): folded tensor parallelism, expert tensor parallelism,
+        # DeepEP across ranks (which combines the rows itself).
+        fused = device == "cuda" and not fused_combine_blocker(cfg)
+        ep["combine_impl"] = "fused_weighted_sum" if fused else "weighted_sum"
     return p
+
+
+def fused_combine_blocker(cfg: dict) -> str | None:
+    """Why DeepSpeed would refuse expert_parallel.combine_impl "fused_weighted_sum" with this file, or None."""
+    ep = cfg.get("expert_parallel") or {}
+    tp = (cfg.get("tensor_parallel") or {}).get("autotp_size", 1)
+    size = ep.get("autoep_size", 1)
+    if isinstance(tp, int) and tp > 1:
+        return f"tensor_parallel.autotp_size {tp}"
+    etp = ep.get("expert_tensor_parallel_size", 1)
+    if isinstance(etp, int) and etp > 1:
+        return f"expert_parallel.expert_tensor_parallel_size {etp}"
+    if ep.get("comm_backend") == "deepep" and isinstance(size, int) and size > 1:
+        return 'expert_parallel.comm_backend "deepep"'
+    return None
 
 
 def resolve_compile(cfg: dict, recipe: Recipe) -> list[str]:

@@ -297,3 +297,123 @@ def test_keys_deepspeed_does_not_read_inside_its_sections_are_refused_before_sta
         "compile.deepcompil: not a DeepSpeed setting; did you mean deepcompile?"]
     sgd = {"type": "SGD", "params": {"momentum": 0.9}}  # another optimizer's own parameters are its business
     assert section_key_problems({"optimizer": sgd}) == []
+
+
+def test_an_optimizer_that_leaves_out_its_lr_takes_the_recipes():
+    """docs/configs.md: a file that leaves out optimizer.params.lr (or the whole params) gets train.lr, as for "auto";
+    a written lr stays. [fails if: only a literal "auto" is filled in (DeepSpeed's AdamW would run at its 1e-3)]"""
+    r = tiny(**{"train.lr": 2.5e-4})
+    for opt in ({"type": "AdamW", "params": {"weight_decay": 0.1}}, {"type": "AdamW"}):
+        raw = {**read_ds_config(ZERO2), "optimizer": opt}
+        cfg = resolve_ds_config(raw, r, world_size=1, ranks_per_node=1, auto_batch=AutoBatch())
+        assert cfg["optimizer"]["params"]["lr"] == 2.5e-4, opt
+    raw = {**read_ds_config(ZERO2), "optimizer": {"type": "AdamW", "params": {"lr": 0.5}}}
+    assert resolve_ds_config(raw, r, world_size=1, ranks_per_node=1, auto_batch=AutoBatch())["optimizer"]["params"][
+        "lr"] == 0.5
+
+
+def test_stochastic_rounding_needs_an_adam_with_decoupled_weight_decay():
+    """AdamWSR is AdamW: an Adam written with adam_w_mode false (L2 in the gradient) cannot be replaced by it, so
+    train.stochastic_rounding auto stays off there and true is refused; adam_w_mode true (or left out) takes it.
+    [fails if: adam_w_mode false is not a blocker]"""
+    from types import SimpleNamespace
+
+    from engine.ds_config import stochastic_rounding_blocker, uses_stochastic_rounding
+
+    raw = read_ds_config(ROOT / "ds_configs" / "zero2_bf16_states.json")  # bf16 master weights: rounding applies
+    auto = SimpleNamespace(stochastic_rounding="auto")
+    assert stochastic_rounding_blocker(raw) is None and uses_stochastic_rounding(raw, auto)
+    raw["optimizer"]["params"]["adam_w_mode"] = True
+    assert stochastic_rounding_blocker(raw) is None
+    raw["optimizer"]["params"]["adam_w_mode"] = False
+    assert "only Adam/AdamW with decoupled weight decay" in stochastic_rounding_blocker(raw)
+    assert not uses_stochastic_rounding(raw, auto)
+    line = _refused(raw, tiny(**{"train.stochastic_rounding": True}))
+    assert "train.stochastic_rounding: true, but the optimizer is 'AdamW' (only Adam/AdamW" in line, line
+
+
+def test_a_negative_pipeline_activation_checkpoint_interval_is_refused():
+    """pipeline.activation_checkpoint_interval is a layer count >= 0 (0: none, as pipe.json ships): -1 is one line.
+    [fails if: the lower bound is off by one]"""
+    raw = read_ds_config(PIPE)
+    assert raw["pipeline"]["activation_checkpoint_interval"] == 0
+    resolve_ds_config(raw, tiny(), world_size=2, ranks_per_node=2, auto_batch=AutoBatch())  # 0 passes
+    raw["pipeline"]["activation_checkpoint_interval"] = -1
+    assert "pipeline.activation_checkpoint_interval (-1) must be an integer >= 0" in _refused(raw, world=2)
+
+
+def test_zero3_layer_compile_is_not_taken_with_offloaded_parameters():
+    """train.compile true under ZeRO-3 compiles the decoder-layer leaves in the engine (zero3_compiles_layers), but
+    not with parameters offloaded to the host: there it is refused in one line, and zero3_compiles_layers says no.
+    An offload_param device "none" is no offload. [fails if: the offload condition is dropped]"""
+    from engine.ds_config import zero3_compiles_layers
+
+    r = tiny(**{"train.compile": True})
+    cfg = resolve_ds_config(read_ds_config(ZERO3), r, world_size=1, ranks_per_node=1, auto_batch=AutoBatch())
+    assert zero3_compiles_layers(cfg)
+    for device, ok in (("none", True), ("cpu", False)):
+        raw = read_ds_config(ZERO3)
+        raw["zero_optimization"]["offload_param"] = {"device": device}
+        if ok:
+            cfg = resolve_ds_config(raw, r, world_size=1, ranks_per_node=1, auto_batch=AutoBatch())
+            assert zero3_compiles_layers(cfg)
+            continue
+        assert "train.compile: true needs" in _refused(raw, r)
+        cfg = resolve_ds_config(raw, tiny(), world_size=1, ranks_per_node=1, auto_batch=AutoBatch())  # compile auto
+        assert cfg["zero_optimization"]["leaf_module"]["names"] and not zero3_compiles_layers(cfg)
+
+
+@pytest.mark.parametrize("size", [0, -2])
+def test_an_autoep_size_below_1_is_one_line(size):
+    """autoep_size 0 or negative is refused naming the key, not a ZeroDivisionError, and -2 (which divides 8 experts
+    and 2 ranks as an integer) is not taken. [fails if: the bound is `size < 0`]"""
+    raw = read_ds_config(ZERO2)
+    raw["expert_parallel"]["autoep_size"] = size
+    assert f'expert_parallel.autoep_size ({size}) must be a positive integer or "auto"' in _refused(raw, world=2)
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", "null", '"zero2"'])
+def test_a_ds_config_that_is_not_a_json_object_is_one_line(text, tmp_path):
+    """Valid JSON that is not an object at the top level is a ConfigError naming the file, before anything reads it
+    as a dict. [fails if: read_ds_config returns it]"""
+    path = tmp_path / "ds.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"ds.json: expected a JSON object at the top level"):
+        read_ds_config(path)
+
+
+def test_misspellings_of_deepspeeds_own_top_level_keys_are_named_too():
+    """The known keys include those of deepspeed.runtime.constants that the engine's list leaves out (e.g.
+    gradient_allreduce_op, disable_python_gc): written right they pass, misspelled they are named.
+    [fails if: only the engine's own list is known]"""
+    assert misspelled_keys({"gradient_allreduce_op": "mean", "disable_python_gc": True}) == []
+    [line] = misspelled_keys({"gradient_allreduce_opp": "mean"})
+    assert line.endswith("did you mean gradient_allreduce_op?"), line
+
+
+@pytest.mark.parametrize("section, value", [("expert_parallel", {"comm_backend": "deepep",
+                                                                   "comm_max_tokens_per_rank": 4096}),
+                                            ("expert_parallel", {"expert_tensor_parallel_size": 2}),
+                                            ("tensor_parallel", {"autotp_size": 2})])
+def test_the_fused_combine_kernel_is_not_filled_in_where_deepspeed_refuses_it(section, value):
+    """combine_impl left to the engine takes AutoEP's fused kernel on CUDA, but not with DeepEP across ranks, expert
+    tensor parallelism or folded tensor parallelism, which DeepSpeed's own check refuses with the kernel (telling the
+    user to leave combine_impl unset, which they did): the resolved section passes that check on 2 CUDA ranks.
+    [fails if: fused_weighted_sum is filled in whatever the rest of the file says]"""
+    from deepspeed.module_inject.auto_ep_config import parse_autoep_config, validate_autoep_config
+
+    raw = read_ds_config(ZERO2)
+    raw[section] = {**raw.get(section, {}), **value}
+    cfg = resolve_ds_config(raw, tiny(), world_size=2, ranks_per_node=2, device="cuda", auto_batch=AutoBatch())
+    ep = cfg["expert_parallel"]
+    assert ep["autoep_size"] == 2 and ep["combine_impl"] == "weighted_sum"
+    tp = (cfg.get("tensor_parallel") or {}).get("autotp_size", 1)
+    try:
+        validate_autoep_config(parse_autoep_config(ep), 2, 1, tp, 1)
+    except ValueError as e:  # only what concerns the combine is the engine's to fill in (ETP 2 on 2 ranks folds not)
+        assert "combine_impl" not in str(e), e
+    with pytest.raises(ValueError, match="fused_weighted_sum"):  # what the engine's old choice met
+        validate_autoep_config(parse_autoep_config({**ep, "combine_impl": "fused_weighted_sum"}), 2, 1, tp, 1)
+    plain = resolve_ds_config(read_ds_config(ZERO2), tiny(), world_size=2, ranks_per_node=2, device="cuda",
+                              auto_batch=AutoBatch())
+    assert plain["expert_parallel"]["combine_impl"] == "fused_weighted_sum"  # the rest of the time, the kernel

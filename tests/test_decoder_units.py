@@ -305,3 +305,79 @@ def test_the_decode_router_chooses_by_score_plus_bias_and_weighs_by_score(topk):
     order, order_hf = i.sort(-1), i_hf.sort(-1)
     assert torch.equal(order.values, order_hf.values)
     torch.testing.assert_close(w.gather(1, order.indices), w_hf.gather(1, order_hf.indices), atol=1e-6, rtol=0)
+
+
+def greedy_by_hand(model, ids, steps: int) -> torch.Tensor:
+    """Greedy continuation of unpadded prompts by full forwards (no cache): each step appends the last position's
+    argmax."""
+    with torch.no_grad():
+        for _ in range(steps):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids
+
+
+def test_a_first_turn_narrower_than_a_later_one_is_padded_and_responses_start_after_the_prompt():
+    """DecoderRollout with 2 prompts on a decoder batch of 1 row: two turns. EOS is prompt 0's first greedy token,
+    which prompt 1 never emits in 6: turn 0 is one token wide, turn 1 six. The batch is as wide as the widest turn
+    (row 1 whole, as a plain greedy loop gives it), row 0 is filled with the pad id after its EOS, the mask ends at
+    row 0's EOS, and every row's response starts at the prompt width (5). [fails if: the width is the first
+    turn's, a narrow turn is padded with EOS, or response_start_idx is off by one]"""
+    from deepspeed.runtime.rollout import RolloutRequest, SamplingConfig
+
+    from engine.rollout import DecoderRollout
+
+    policy = tiny_model()
+    ids = torch.randint(3, 512, (2, 5), generator=torch.Generator().manual_seed(1))
+    free = greedy_by_hand(policy, ids, 6)
+    eos = int(free[0, 5])
+    assert eos != 0 and eos not in free[1, 5:].tolist()  # the case this seed gives
+    tok = SimpleNamespace(pad_token_id=0, eos_token_id=eos)
+    rollout = DecoderRollout(SimpleNamespace(module=policy, device=torch.device("cpu")), tok, batch_size=1,
+                             cache_len=16)
+    out = rollout.generate(RolloutRequest(ids, torch.ones(2, 5, dtype=torch.long)),
+                           SamplingConfig(max_new_tokens=6, temperature=0.0))
+    assert out.input_ids.shape == (2, 11)
+    assert torch.equal(out.input_ids[1], free[1])
+    assert out.input_ids[0].tolist() == ids[0].tolist() + [eos] + [0] * 5
+    assert out.attention_mask.tolist() == [[1] * 6 + [0] * 5, [1] * 11]
+    assert out.response_start_idx.tolist() == [5, 5]
+
+
+def test_a_rollout_after_sync_weights_follows_the_policys_new_weights():
+    """Greedy rollouts are a plain greedy loop over the policy's weights, before and after the policy's weights all
+    change and sync_weights runs again (the persistent decoder refreshed in place). [fails if: sync_weights keeps
+    the first weights, or generate ignores temperature 0]"""
+    from deepspeed.runtime.rollout import RolloutRequest, SamplingConfig
+
+    policy = tiny_model()
+    ids = torch.randint(3, 512, (2, 5), generator=torch.Generator().manual_seed(2))
+    request, greedy = RolloutRequest(ids, torch.ones(2, 5, dtype=torch.long)), SamplingConfig(max_new_tokens=6,
+                                                                                               temperature=0.0)
+    rollout = rollout_of(policy, -1)
+    rollout.sync_weights(0)
+    before = rollout.generate(request, greedy).input_ids
+    assert torch.equal(before, greedy_by_hand(policy, ids, 6))
+    policy.load_state_dict(tiny_model(seed=1).state_dict())
+    rollout.sync_weights(1)
+    want = greedy_by_hand(policy, ids, 6)
+    assert not torch.equal(want, before)
+    assert torch.equal(rollout.generate(request, greedy).input_ids, want)
+
+
+def test_rollout_sampling_takes_the_requests_top_p_and_temperature():
+    """top_p 1e-6 keeps only the most likely token: sampled at temperature 1 the rollout is the greedy loop's. At
+    temperature 2 the recorded log-probs are softmax(logits / 2)'s of a plain forward (not temperature 1's).
+    [fails if: generate passes the decoder another top_p or temperature than the request's]"""
+    from deepspeed.runtime.rollout import RolloutRequest, SamplingConfig
+
+    policy = tiny_model()
+    ids = torch.randint(3, 512, (2, 5), generator=torch.Generator().manual_seed(3))
+    request, rollout = RolloutRequest(ids, torch.ones(2, 5, dtype=torch.long)), rollout_of(policy, -1)
+    torch.manual_seed(0)
+    nucleus = rollout.generate(request, SamplingConfig(max_new_tokens=6, temperature=1.0, top_p=1e-6)).input_ids
+    assert torch.equal(nucleus, greedy_by_hand(policy, ids, 6))
+    torch.manual_seed(0)
+    out = rollout.generate(request, SamplingConfig(max_new_tokens=6, temperature=2.0))
+    assert out.input_ids.shape == (2, 11) and rollout.last_logps.shape == (2, 6)
+    assert (rollout.last_logps - plain_logps(policy, out.input_ids, out.attention_mask, 5, 2.0)).abs().max() < 1e-4
+    assert (rollout.last_logps - plain_logps(policy, out.input_ids, out.attention_mask, 5, 1.0)).abs().max() > 1e-2

@@ -360,3 +360,38 @@ def test_emulated_grouped_mm_returns_out_dtype():
     assert torch.equal(out, emulated_grouped_mm(a.float(), b_t.float(), offs, torch.float32).bfloat16())
     out.float().sum().backward()
     assert a.grad.dtype == b_t.grad.dtype == torch.bfloat16
+
+
+def test_fp8_problems_refuse_all_with_an_expert_parallel_section_that_is_off():
+    """fp8 all needs AutoEP's grouped GEMM: an expert_parallel section written with enabled false is as good as
+    none (refused naming it); dense does not need it. [fails if: only a missing section is refused]"""
+    from engine.fp8 import fp8_problems
+
+    raw = ds("zero3.json")
+    raw["expert_parallel"]["enabled"] = False
+    p = fp8_problems("all", raw, "cpu")
+    assert len(p) == 1 and "no enabled expert_parallel section" in p[0], p
+    assert fp8_problems("dense", raw, "cpu") == []
+
+
+def test_emulated_grouped_mm_by_hand_with_a_one_row_group():
+    """Two experts, offs [1, 3]: expert 0 gets one row. The values are e4m3 ones (exact under any power-of-2
+    scale), so forward and gradients are the exact grouped GEMM, but for two 1.06s (a[0, 0] and g[0, 0]): each is
+    its row's amax, scale 2^floor(log2(448 / 1.06)) = 256, 271.36 -> e4m3 256, so it counts as 1.0, in the forward
+    and grad_a, and alone in its column of expert 0's one row it rounds the same way in the weight gradient. By
+    hand: out rows [0.75, 2.5], [-1.625, 1.25], [1.5, 1.875]; grad_a [2, 0], [-2, -0.5], [-0.375, 1];
+    grad_b_t[0] = outer([1, -0.5], [1, 0.5]), grad_b_t[1] = a[1:]^T @ g[1:].
+    [fails if: the forward's input or grad_a's output gradient is not rounded to FP8, or a one-row group gets no
+    weight gradient]"""
+    from engine.fp8 import emulated_grouped_mm
+
+    a = torch.tensor([[1.06, -0.5], [2.0, 0.25], [0.75, 1.5]], requires_grad=True)
+    b_t = torch.tensor([[[1.0, 2.0], [0.5, -1.0]], [[-1.0, 0.5], [1.5, 1.0]]], requires_grad=True)  # (E, K, N)
+    offs = torch.tensor([1, 3], dtype=torch.int32)
+    g = torch.tensor([[1.06, 0.5], [1.0, -2.0], [0.5, 0.25]])
+    out = emulated_grouped_mm(a, b_t, offs, torch.float32)
+    assert out.tolist() == [[0.75, 2.5], [-1.625, 1.25], [1.5, 1.875]]
+    out.backward(g)
+    assert a.grad.tolist() == [[2.0, 0.0], [-2.0, -0.5], [-0.375, 1.0]]
+    assert b_t.grad[0].tolist() == [[1.0, 0.5], [-0.5, -0.25]]
+    assert b_t.grad[1].tolist() == [[2.375, -3.8125], [1.0, -0.125]]
