@@ -12,8 +12,9 @@ The file goes to DeepSpeed as written. The only values the engine fills in are o
   train_batch_size = "auto"             -> micro_batch x grad_accum x data-parallel world size
   optimizer.params.lr = "auto"          -> the recipe's train.lr (the peak of its warmup + cosine schedule)
   expert_parallel.combine_impl = "auto" -> "fused_weighted_sum" (AutoEP's Triton kernel for the top-k weighted
-                                           sum) on CUDA, DeepSpeed's "weighted_sum" elsewhere; a missing key
-                                           counts as "auto", as it does for DeepSpeed
+                                           sum) on CUDA unless DeepSpeed refuses it there (fused_combine_blocker),
+                                           DeepSpeed's "weighted_sum" otherwise; a missing key counts as "auto",
+                                           as it does for DeepSpeed
   zero_optimization.stage3_max_live_parameters, stage3_max_reuse_distance, stage3_prefetch_bucket_size = "auto"
                                         -> on a single GPU rank without parameter offload 1e10, 1e10, 5e8
                                            (nothing gathered is released within a step); otherwise DeepSpeed's

@@ -225,6 +225,20 @@ def test_the_decoders_kv_cache_is_k_and_v_of_each_kv_head(arch):
     assert weights == 2 * n and cache == 3 * 5 * 7 * (2 * 2 * 24) * 2
 
 
+def test_the_decoders_mla_cache_is_one_latent_and_one_rope_key_per_token():
+    """decoder_bytes for multi-head latent attention (deepseek_v3): per layer, sequence and slot the cache holds the
+    compressed KV latent (kv_lora_rank) and the decoupled RoPE key (qk_rope_head_dim), shared by every head, not K
+    and V per head. [fails if: the RoPE key part is dropped, or MLA is sized as K and V of each KV head]"""
+    from engine.config import ModelConfig
+    from engine.grpo import decoder_bytes
+    from engine.model import make_hf_config
+
+    cfg = make_hf_config(ModelConfig(arch="deepseek_v3", num_layers=3, kv_lora_rank=40, qk_rope_head_dim=12))
+    assert cfg.kv_lora_rank == 40 and cfg.qk_rope_head_dim == 12 and cfg.num_hidden_layers == 3
+    _, cache = decoder_bytes(cfg, torch.bfloat16, 5, 7)
+    assert cache == 3 * 5 * 7 * (40 + 12) * 2
+
+
 # ------------------------------------------------------------------------------------------- the loss fields
 
 def test_loss_config_hands_every_loss_field_over_as_set():

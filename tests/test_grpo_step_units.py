@@ -565,6 +565,23 @@ def test_grpo_step_counts_the_old_log_prob_forward_in_the_train_tokens(monkeypat
     assert row["train_tokens_per_s"] * row["train_s"] == pytest.approx(42.0, rel=1e-6)
 
 
+def test_grpo_step_counts_the_reference_forward_in_the_train_tokens(monkeypatch):
+    """grpo_step with 2 iterations and a reference (beta > 0): 4 forwards over the batch's 14 real tokens (2 policy
+    passes, the old log-probs and the reference's), so train_tokens_per_s x train_s = 56, and the row reports a kl.
+    [fails if: the reference pass is left out of the forwards]"""
+    from dataclasses import replace
+
+    from engine.grpo import grpo_step, loss_config
+
+    twin_ranks(monkeypatch, 1)
+    run, rows = step_run(dynamic=False)
+    run.g = replace(run.g, beta=0.04)
+    run.loss_cfg, run.ref = loss_config(run.g), Engine(TinyLM())
+    row = grpo_step(run, rows, None, 1)
+    assert run.ref.module.seen is not None and row["update_skipped"] == 0 and "kl" in row
+    assert row["train_tokens_per_s"] * row["train_s"] == pytest.approx(56.0, rel=1e-6)
+
+
 def test_no_dropout_zeroes_the_modules_and_the_configs_rates():
     """no_dropout: every nn.Dropout's p, a module's float attention_dropout / dropout, and the model config's
     attention_dropout, hidden_dropout and dropout (what a model built from this config, the reference, inherits)
