@@ -35,6 +35,7 @@ class Sample:
     complete: bool = True  # every file was read to its end
     problems: list = field(default_factory=list)
     columns: dict = field(default_factory=dict)  # file -> the keys of its rows (JSON files)
+    rowless: list = field(default_factory=list)  # JSON files read whole that hold no row, only blank lines
 
 
 def check_corpus(d: DataConfig, tok, batch: int | None, data_parallel: int) -> list[str]:
@@ -148,6 +149,9 @@ def sample_files(files: list[str], fields: dict, path: str, where: str = "data.p
         problem = read_rows(f, fields, SAMPLE_BYTES // len(picked), s)
         if problem:
             bad.append(problem if Path(path).is_file() else f"{f}: {problem}")
+    if s.rowless and not Path(path).is_file():  # one of several: datasets casts its empty schema to the others' and
+        # fails where it comes first; a streaming rank handed it fails after start. (One file alone: "no rows" below.)
+        bad += [f"{f}: holds no rows (blank lines only); remove the file or put rows in it" for f in s.rowless]
     first = next(iter(s.columns), None)
     extra = {f: sorted(keys - s.columns[first]) for f, keys in s.columns.items() if keys - s.columns[first]}
     if extra:  # datasets reads every file with the first one's columns: a file with more fails to load
@@ -200,6 +204,9 @@ def read_rows(f: str, fields: dict, limit: int, s: Sample) -> str | None:
         if isinstance(doc, dict) and all(isinstance(v, list) for v in doc.values()):  # columns of values
             doc = [dict(zip(doc, r)) for r in zip(*doc.values())]
         numbered = [(f"row {i}", r) for i, r in enumerate(doc if isinstance(doc, list) else [doc], 1)]
+    if whole and not numbered and text.strip() == "":  # bytes but no row (blank lines only)
+        s.rowless.append(f)
+        return None
     unit = "rows"
     s.columns[f] = {k for _, row in numbered if isinstance(row, dict) for k in row}
     return check_rows(numbered, fields, s, unit if whole else f"first {unit}")

@@ -134,7 +134,8 @@ def test_the_token_count_is_for_this_world_size(tmp_path, monkeypatch, capfd):
     from engine.parallel import World
 
     f = jsonl(tmp_path / "c.jsonl", [{"text": STORY}] * 50)
-    preflight(parse_args(["--deepspeed_config", str(ZERO3), "--data", f]), World(0, 1, 1))  # passes
+    preflight(parse_args(["--deepspeed_config", str(ZERO3), "--data", f, "--run_dir", str(tmp_path / "ok")]),
+              World(0, 1, 1))  # passes (its own run_dir: the default runs/tiny of a checkout may hold a run)
     line = pretrain_refuses(tmp_path, monkeypatch, capfd, f, world=2)
     assert "1100 tokens, 8 sequences of data.seq_len 128; one step needs 2048 tokens (16 sequences" in line
 
@@ -193,6 +194,27 @@ def test_streaming_an_empty_file_is_refused(tmp_path, monkeypatch, capfd):
     recipe = TINY.replace("seq_len: 128", "seq_len: 128\n  streaming: true")
     line = pretrain_refuses(tmp_path, monkeypatch, capfd, tmp_path / "d", world=2, recipe=recipe)
     assert f"data.path {tmp_path / 'd'}: {tmp_path / 'd' / 'b.jsonl'} is empty (1 empty file(s))" in line
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_a_file_of_blank_lines_only_is_refused_by_name(tmp_path, monkeypatch, capfd, streaming):
+    """A file with bytes but no row (blank lines only) is named before any rank starts, streaming or not. Streaming,
+    the rank handed it failed after start with "data.text_field 'text' is not a column"; read whole, datasets fails
+    on it as the folder's first file (its empty schema cast to the others'), as checked here too; before, preflight
+    passed it (streaming) or said the other files had columns it has not (read whole)."""
+    from datasets import load_dataset
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.jsonl").write_text("\n\n")
+    jsonl(tmp_path / "d" / "b.jsonl", [{"text": f"{STORY} {i}"} for i in range(200)])
+    with pytest.raises(Exception):  # the premise: datasets cannot load this folder
+        load_dataset("json", data_files=sorted(map(str, (tmp_path / "d").iterdir())), split="train",
+                     cache_dir=str(tmp_path / "cache"))
+    capfd.readouterr()  # datasets' progress lines
+    recipe = TINY.replace("seq_len: 128", "seq_len: 128\n  streaming: true") if streaming else None
+    line = pretrain_refuses(tmp_path, monkeypatch, capfd, tmp_path / "d", world=2 if streaming else 1, recipe=recipe)
+    assert line.endswith(f"data.path {tmp_path / 'd'}: {tmp_path / 'd' / 'a.jsonl'}: holds no rows (blank lines only);"
+                         " remove the file or put rows in it"), line
 
 
 def test_streaming_one_file_with_fewer_rows_than_ranks_is_refused(tmp_path, monkeypatch, capfd):

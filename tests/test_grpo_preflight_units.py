@@ -411,6 +411,18 @@ def test_preflight_checks_the_run_dir_and_a_resume_has_something_to_resume(tmp_p
     assert f"run_dir {tmp_path / 'run'}: {tmp_path / 'run'} is a file, not a folder" in refusal(tmp_path)
 
 
+def test_a_resume_with_the_curriculum_checks_its_statistics_against_the_prompts(tmp_path):
+    """--resume with grpo.curriculum on: the checkpoint's statistics are for 5 prompts and data.path now holds 3, so
+    preflight refuses, naming both counts (whatever else check_resume finds in the fake checkpoint). [fails if:
+    preflight does not ask curriculum.resume_problems]"""
+    prompts = jsonl(tmp_path / "p.jsonl", [{"prompt": f"{i} + 1 =", "answer": str(i + 1)} for i in range(3)])
+    fake_checkpoint(tmp_path / "run", {"step": 2, "position": 0, "tokens": 0, "curriculum": {"n_prompts": 5},
+                                       "recipe": {"model": {"init_from": None}}})
+    line = refusal(tmp_path, "--resume", grpo={"curriculum": {"enabled": True}}, data={"path": str(prompts)})
+    assert ("--resume: the checkpoint's grpo.curriculum statistics are for 5 prompts but data.path has 3; resume "
+            "with the prompts file the run started with") in line, line
+
+
 def test_offload_that_the_hosts_memory_cannot_hold_is_refused(tmp_path, monkeypatch):
     """ZeRO-3 offload keeps optimizer state in host memory: when the node has less available than the ranks would
     keep, preflight refuses naming the DS config. [fails if: the host-memory problem is not added]"""

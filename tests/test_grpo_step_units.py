@@ -216,6 +216,25 @@ def test_rollout_micro_batches_are_packed_longest_first_and_remade_for_another_s
     assert [(set(m.rows.tolist()), m.lo, m.hi) for m in micro_batches(same_end, 2)] == [({1, 3}, 0, 4), ({0, 2}, 2, 4)]
 
 
+def test_a_packed_micro_batch_starts_at_the_earliest_first_token_of_any_of_its_rows():
+    """Packing sorts by where rows end: the row that ends last (row 0, tokens in columns 2-5) leads the micro-batch,
+    but row 1 (columns 0-2) starts earlier, so the micro-batch spans columns 0-6 and each row's log-probs are those
+    of the unpacked batch. [fails if: a micro-batch starts at its leading row's first token, cutting another row's
+    head off]"""
+    from engine.grpo import Rollouts, batched_logps
+
+    attn = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
+    ids = torch.tensor([[0, 0, 3, 4, 5, 6], [7, 8, 9, 0, 0, 0]])
+    r = Rollouts(ids, attn, attn[:, 1:].clone(), [], 2, 0.0)
+    assert [(m.rows.tolist(), m.lo, m.hi) for m in r.micro_batches(2)] == [([0, 1], 0, 6)]
+    engine = Engine(TinyLM())
+    with torch.no_grad():
+        whole = engine(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+                       logprob_targets=ids[:, 1:], temperature=1.0).logprobs
+    got = batched_logps(engine, r, 2, 1.0)
+    assert torch.allclose(got * attn[:, 1:], whole * attn[:, 1:])
+
+
 def test_replay_and_targets_of_a_micro_batch():
     """Micro.tokens/targets cut a micro-batch's rows and columns (targets one column fewer; a per-sequence tensor by
     row only), and Rollouts.replay gives the routes of those tokens only under grpo.routing_replay r3.

@@ -14,6 +14,7 @@ The watchdog cases drive a PeerWatchdog built without torch.distributed (a fake 
 starts a rank.
 """
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -481,3 +482,149 @@ def test_a_hub_dataset_without_the_split_names_its_splits(tmp_path, monkeypatch)
     assert check_corpus(DataConfig(path="org/stories", split="validation"), None, None, 1) == [
         "data.split 'validation' is not a split of org/stories (splits: ['train', 'test']); set data.split"]
     assert check_corpus(DataConfig(path="org/stories", split="test"), None, None, 1) == []
+
+
+def test_streaming_as_many_rows_as_ranks_passes_and_fewer_are_refused(tmp_path):
+    """One file streamed on data-parallel ranks splits its rows (rank r reads rows r, r + ranks, ...): 2 rows on 2
+    ranks give each rank one, 3 rows on 4 ranks leave rank 3 none; without streaming every rank reads every row.
+    [fails if: rows equal to the ranks are refused, or too few rows pass]"""
+    from engine.config import DataConfig
+    from engine.data_check import check_corpus
+
+    two = jsonl(tmp_path / "two.jsonl", [{"text": "a"}, {"text": "b"}])
+    three = jsonl(tmp_path / "three.jsonl", [{"text": "a"}, {"text": "b"}, {"text": "c"}])
+    assert check_corpus(DataConfig(path=two, streaming=True), None, None, 2) == []
+    assert check_corpus(DataConfig(path=three, streaming=True), None, None, 4) == [
+        f"data.path {three}: 3 rows in 1 file(s); streaming on 4 data-parallel ranks splits rows (rank r reads rows r, "
+        "r + ranks, ...), so some rank would get none; add rows, or files in a multiple of the ranks (each rank then "
+        "reads its own files)"]
+    assert check_corpus(DataConfig(path=three), None, None, 4) == []  # map-style: every rank reads every row
+
+
+def test_streaming_a_file_whose_first_row_is_longer_than_the_sample_is_not_counted_as_rowless(tmp_path):
+    """A first row longer than the 1 MiB sample: its head is read but no row is counted, and the rows after it are
+    not seen, so the row count says nothing about how many rows the ranks get: not refused on 2 ranks.
+    [fails if: an incomplete sample's row count is taken as the file's]"""
+    from engine.config import DataConfig
+    from engine.data_check import SAMPLE_BYTES, check_corpus
+
+    f = jsonl(tmp_path / "long.jsonl", [{"text": "x" * (SAMPLE_BYTES + 10)}, {"text": "a"}, {"text": "b"}])
+    assert check_corpus(DataConfig(path=f, streaming=True), None, None, 2) == []
+
+
+def test_an_estimate_from_the_sample_that_reaches_one_step_passes(tmp_path):
+    """17 files of one 16-byte row (every 2nd sampled: 18 tokens from 144 bytes, estimated 34 over all 272): one step
+    of 5 x 4 = 20 tokens is more than the sample holds but not more than the estimate, so it passes; 9 x 4 = 36 is
+    refused. [fails if: the estimate is not compared with one step's tokens before refusing]"""
+    from engine.config import DataConfig
+    from engine.data_check import check_corpus
+
+    (tmp_path / "d").mkdir()
+    for i in range(17):
+        (tmp_path / "d" / f"{i:02d}.jsonl").write_text('{"text": "abc"}\n')
+    d = DataConfig(path=str(tmp_path / "d"), seq_len=4)
+    assert check_corpus(d, one_id_per_text, 5, 1) == []
+    assert check_corpus(d, one_id_per_text, 9, 1)[0].startswith(f"data.path {d.path}: about 34 tokens (estimated")
+
+
+def test_big_files_are_sampled_in_whole_lines_within_the_sample_bytes(tmp_path):
+    """Two files of 12288 rows of 64 bytes (768 KiB each, 2 tokens a row with its EOS): each file's head is read to
+    half the 1 MiB sample, 8192 whole rows, so the sample is 1048576 bytes and 32768 tokens and the estimate over all
+    1572864 bytes is the exact count, 49152: one step of exactly that passes, one more sequence is refused with the
+    estimate. [fails if: each file may read the whole sample (2 x 768 KiB read, counted exactly), or the cut to
+    whole lines drops the last whole line]"""
+    from engine.config import DataConfig
+    from engine.data_check import SAMPLE_BYTES, check_corpus
+
+    (tmp_path / "d").mkdir()
+    for name in ("a", "b"):
+        rows = [json.dumps({"text": f"{i:051d}"}) for i in range(12288)]
+        assert {len(r) + 1 for r in rows} == {64}
+        jsonl(tmp_path / "d" / f"{name}.jsonl", rows)
+    d = DataConfig(path=str(tmp_path / "d"), seq_len=96)
+    assert check_corpus(d, one_id_per_text, 512, 1) == []  # 512 x 96 = 49152
+    assert check_corpus(d, one_id_per_text, 513, 1) == [
+        f"data.path {d.path}: about 49152 tokens (estimated from its first {SAMPLE_BYTES} bytes), 512 sequences of "
+        "data.seq_len 96; one step needs 49248 tokens (513 sequences: the DS config's train_batch_size); add text, or "
+        "lower data.seq_len or the batch"]
+
+
+def write_parquet(path, texts) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": texts}), path)
+    return str(path)
+
+
+def test_a_small_parquet_file_is_counted_exactly_and_its_rows_split_by_streaming_ranks(tmp_path):
+    """A Parquet file read to its end is a complete sample: 3 rows (6 tokens with EOS) are counted, not estimated;
+    streamed on 4 ranks its 3 rows leave a rank none. [fails if: a wholly read Parquet file is taken as partly read]"""
+    from engine.config import DataConfig
+    from engine.data_check import check_corpus
+
+    f = write_parquet(tmp_path / "s.parquet", ["a", "b", "c"])
+    assert check_corpus(DataConfig(path=f, seq_len=4), one_id_per_text, 2, 1)[0].startswith(
+        f"data.path {f}: 6 tokens, 1 sequences of data.seq_len 4")
+    assert check_corpus(DataConfig(path=f, streaming=True), None, None, 4)[0].startswith(
+        f"data.path {f}: 3 rows in 1 file(s); streaming on 4 data-parallel ranks")
+
+
+def test_a_parquet_file_past_the_sample_is_read_to_the_sample_and_estimated_by_its_share(tmp_path):
+    """4096 rows of 512 characters (2 MiB of text, 2 tokens a row with its EOS): batches of 1024 rows are read until
+    more than the 1 MiB sample is in (3072 rows), and the tokens are scaled by the file's rows read, so the estimate
+    is about the true 8192. [fails if: the whole file is read past the sample, or the bytes read are the whole
+    file's]"""
+    import re
+
+    from engine.config import DataConfig
+    from engine.data_check import check_corpus
+
+    f = write_parquet(tmp_path / "big.parquet", [f"{i:08d}" * 64 for i in range(4096)])
+    (line,) = check_corpus(DataConfig(path=f, seq_len=100), one_id_per_text, 100, 1)
+    m = re.match(rf"data\.path {re.escape(f)}: about (\d+) tokens \(estimated from its first (\d+) bytes\)", line)
+    assert m, line
+    assert abs(int(m[1]) - 8192) <= 2 and int(m[2]) < os.path.getsize(f), line
+
+
+def test_a_txt_file_with_another_text_field_is_refused(tmp_path):
+    """A .txt file has one column, text: data.text_field set to another name is refused, naming the fix.
+    [fails if: the .txt text_field check is dropped]"""
+    from engine.config import DataConfig
+    from engine.data_check import check_corpus
+
+    (tmp_path / "c.txt").write_text("one line\n")
+    assert check_corpus(DataConfig(path=str(tmp_path / "c.txt"), text_field="body"), None, None, 1) == [
+        "data.text_field 'body': .txt files have one column, 'text'; set data.text_field: text"]
+
+
+def test_a_json_document_is_columns_only_when_every_value_is_a_list(tmp_path):
+    """One JSON document of lists is a table of columns (2 rows here); a document with a value that is not a list is
+    one row, whose list `text` is no string. [fails if: a document with some list values is read as columns]"""
+    from engine.config import DataConfig
+    from engine.data_check import check_corpus
+
+    (tmp_path / "cols.json").write_text(json.dumps({"text": ["a b", "c d"], "source": ["x", "y"]}, indent=1))
+    (tmp_path / "mixed.json").write_text(json.dumps({"text": ["a b", "c d"], "source": "web"}, indent=1))
+    assert check_corpus(DataConfig(path=str(tmp_path / "cols.json")), None, None, 1) == []
+    (line,) = check_corpus(DataConfig(path=str(tmp_path / "mixed.json")), None, None, 1)
+    assert "row 1 has 'text' = " in line and "a list, not a string" in line, line
+
+
+def test_a_one_row_file_without_a_final_newline_is_checked_as_a_row(tmp_path):
+    """A whole file of one row and no final newline is one row like any: one without `text` is refused, one with it
+    passes with its text (not the JSON line) as the sample. [fails if: a file read whole is taken for the cut head of
+    one long row, and its row is not checked]"""
+    from engine.config import DataConfig
+    from engine.data_check import check_corpus
+
+    (tmp_path / "bad.jsonl").write_text('{"body": "a b c"}')
+    (tmp_path / "ok.jsonl").write_text('{"text": "a b c"}')
+    (line,) = check_corpus(DataConfig(path=str(tmp_path / "bad.jsonl")), None, None, 1)
+    assert "row 1 has no 'text' (keys: ['body'])" in line, line
+    seen = []
+    assert check_corpus(DataConfig(path=str(tmp_path / "ok.jsonl"), seq_len=4),
+                        lambda texts: seen.extend(texts) or one_id_per_text(texts), 1, 1) == [
+        f"data.path {tmp_path / 'ok.jsonl'}: 2 tokens, 0 sequences of data.seq_len 4; one step needs 4 tokens (1 "
+        "sequences: the DS config's train_batch_size); add text, or lower data.seq_len or the batch"]
+    assert seen == ["a b c"]
