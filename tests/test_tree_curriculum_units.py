@@ -257,22 +257,27 @@ def test_a_new_paths_first_token_is_never_branched_from_again():
 def test_segment_len_confines_each_iteration_to_its_window():
     """Guards against (the window's end one token late: [(t-1) L, t L + 1)): with segment_len 2, iteration 1
     branches only at offsets 0-1 and iteration 2 only at 2-3, even when the highest entropy is just past the end."""
+    first, second = _two_window_tree(lambda k: 10.0 if k in (2, 4) else 1.0 / (1 + k), new=8)
+    assert all(0 <= k < 2 for _, k in first), (first, second)
+    assert all(2 <= k < 4 for _, k in second), (first, second)
+
+
+def _two_window_tree(entropy_at, new: int):
+    """A greedy tree rollout of the 2 test prompts (1 tree, 1 branch point a window, 2 iterations, segment_len 2)
+    whose entropy at response offset k is entropy_at(k): the branch points of iterations 1 and 2 (one per prompt)."""
     from engine.config import TreeConfig
     from engine.decoder import Decoder
     from engine.tree import generate_tree, pick_branch_points
 
-    def peak_at_window_ends(entropy, starts, n, branched, window=None):
-        fake = [[10.0 if k in (2, 4) else 1.0 / (1 + k) for k in range(len(e))] for e in entropy]
+    def pick(entropy, starts, n, branched, window=None):
+        fake = [[entropy_at(k) for k in range(len(e))] for e in entropy]
         return pick_branch_points(fake, starts, n, branched, window)
 
     cfg = TreeConfig(enabled=True, trees=1, branch_points=1, branches=1, iterations=2, segment_len=2)
-    G, new = cfg.leaves(), 8
     ids, mask = _prompts()
-    dec = Decoder(_tiny_model(), "cpu", batch_size=2 * G, cache_len=7 + new * 3)
-    out, info = generate_tree(dec, ids, mask, cfg, new, eos_id=-1, pad_id=0, temperature=0, pick=peak_at_window_ends)
-    first, second = info.branch_points[:2], info.branch_points[2:]  # 2 prompts x 1 tree x 1 point per iteration
-    assert all(0 <= k < 2 for _, k in first), info.branch_points
-    assert all(2 <= k < 4 for _, k in second), info.branch_points
+    dec = Decoder(_tiny_model(), "cpu", batch_size=2 * cfg.leaves(), cache_len=7 + new * 3)
+    _, info = generate_tree(dec, ids, mask, cfg, new, eos_id=-1, pad_id=0, temperature=0, pick=pick)
+    return info.branch_points[:2], info.branch_points[2:]  # 2 prompts x 1 tree x 1 point per iteration
 
 
 def test_tree_info_parents_are_group_local_for_every_prompt():
@@ -330,19 +335,6 @@ def test_segment_len_starts_each_iteration_at_its_window():
     """Guards against (the window's start dropped: [0, t L)): with segment_len 2 the second iteration branches only
     at offsets 2-3, even where an unbranched offset before the window (the chain's offset 0, left by the first
     iteration, which took offset 1) has the highest entropy."""
-    from engine.config import TreeConfig
-    from engine.decoder import Decoder
-    from engine.tree import generate_tree, pick_branch_points
-
-    def peaks_at_0_and_1(entropy, starts, n, branched, window=None):
-        fake = [[{0: 9.0, 1: 10.0}.get(k, 1.0 / (1 + k)) for k in range(len(e))] for e in entropy]
-        return pick_branch_points(fake, starts, n, branched, window)
-
-    cfg = TreeConfig(enabled=True, trees=1, branch_points=1, branches=1, iterations=2, segment_len=2)
-    G, new = cfg.leaves(), 6
-    ids, mask = _prompts()
-    dec = Decoder(_tiny_model(), "cpu", batch_size=2 * G, cache_len=7 + new * 3)
-    out, info = generate_tree(dec, ids, mask, cfg, new, eos_id=-1, pad_id=0, temperature=0, pick=peaks_at_0_and_1)
-    first, second = info.branch_points[:2], info.branch_points[2:]  # 2 prompts x 1 tree x 1 point per iteration
-    assert [k for _, k in first] == [1, 1], info.branch_points
-    assert all(2 <= k < 4 for _, k in second), info.branch_points
+    first, second = _two_window_tree(lambda k: {0: 9.0, 1: 10.0}.get(k, 1.0 / (1 + k)), new=6)
+    assert [k for _, k in first] == [1, 1], (first, second)
+    assert all(2 <= k < 4 for _, k in second), (first, second)
