@@ -75,6 +75,14 @@ ACT = {
 # plain rows give 1.0); ZeRO-1/2 from the zero2.json rows (66.21 - 8 x 2.776 - 38.60 = 5.40; with the eager constant
 # this over-predicts A2's eager rows by 1.2 and 7.0 GiB). Stage 0 counts as 1/2.
 FIXED_GIB = {3: 1.06, 2: 5.40, 1: 5.40, 0: 5.40}
+# ZeRO-2 with one micro-batch per step (accumulation 1), the optimizer and its gradients on the device: DeepSpeed's
+# ZeRO-2 keeps a running sum of the micro-batches' gradients (stage_1_and_2.py: all_grad_tensors) beside the next
+# micro-batch's only with accumulation above 1, which the zero2.json rows above had (8 x 8, 16 x 4). Fitted on one
+# H100 80GB (docs/bench/grpo_speed/h100_1206_e/): GRPO on grpo_2b6 under zero2_grpo.json with activation checkpointing,
+# 64 x 1 peaked at 63.4 GiB and 32 x 2 at 65.9 (the model with 5.40: 71.3 and 69.5); 63.4 - 46.46 (states) - 11.84
+# (reference and decoder) - 64 x 0.0586 (rows) = 1.35. ZeRO-1 is left at 5.40: it accumulates in the parameters'
+# own gradients (counted in the states), yet measured 63.4 GiB at 32 x 2 (h100_1206_d/), over 1.35's prediction.
+ZERO2_ONE_MICRO_FIXED_GIB = 1.35
 # With activation checkpointing, bytes per (token x hidden x layer) kept between forward and backward, plus one
 # layer's full ACT while it is recomputed: fitted on B seed_bf16_states (deepseek_5b3, 5,342,054,400 parameters,
 # 24 layers, zero3.json with bf16 master weights and Adam moments = 10 bytes/parameter, micro 4: 53.16 GiB):
@@ -269,10 +277,26 @@ def settle_checkpointing(recipe: Recipe, auto: "AutoBatch | None") -> Recipe:
     return with_checkpointing(recipe, bool(auto is not None and auto.checkpointing))
 
 
-def predict_peak_gib(cfg: dict, recipe: Recipe, dp: int, micro: int, device: str = "cuda") -> float:
-    """Predicted peak device memory of one rank at micro-batch `micro` (cfg: the DS config, autoep_size resolved)."""
-    return (states_gib(cfg, recipe, dp) + FIXED_GIB[min(_stage(cfg), 3)] + micro * per_sample_gib(cfg, recipe, device)
+def predict_peak_gib(cfg: dict, recipe: Recipe, dp: int, micro: int, device: str = "cuda",
+                     accum: int | None = None) -> float:
+    """Predicted peak device memory of one rank at micro-batch `micro` (cfg: the DS config, autoep_size resolved) and
+    `accum` micro-batches per step (None: the DS config's number, and more than one where it says "auto")."""
+    if accum is None:
+        accum = cfg.get("gradient_accumulation_steps", 1)
+    return (states_gib(cfg, recipe, dp) + fixed_gib(cfg, accum) + micro * per_sample_gib(cfg, recipe, device)
             + head_gib(recipe, micro))
+
+
+def fixed_gib(cfg: dict, accum) -> float:
+    """The fixed overhead beyond the states (FIXED_GIB), less under ZeRO-2 with one micro-batch per step on the device
+    (ZERO2_ONE_MICRO_FIXED_GIB): `accum` 1 (an int; "auto" counts as more than one)."""
+    stage = min(_stage(cfg), 3)
+    offload = ((cfg.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device", "none")
+    weights, grads, _ = _bytes_per_param(cfg)
+    fp32_buffer = grads > weights  # fp32 gradient accumulation of a half model: DeepSpeed's own partition buffer
+    if stage == 2 and accum == 1 and not isinstance(accum, bool) and offload in ("none", None) and not fp32_buffer:
+        return ZERO2_ONE_MICRO_FIXED_GIB
+    return FIXED_GIB[stage]
 
 
 def _stage(cfg: dict) -> int:
@@ -427,7 +451,18 @@ class AutoBatch:
         return CPU_MICRO, "the CPU's fixed value"
 
     def peak_gib(self, cfg: dict, recipe: Recipe, dp: int, micro: int, device: str) -> float:
-        return predict_peak_gib(cfg, recipe, dp, micro, device)
+        return predict_peak_gib(cfg, recipe, dp, micro, device, self.accum_at(cfg, recipe, micro, device))
+
+    def accum_at(self, cfg: dict, recipe: Recipe, micro: int, device: str) -> int:
+        """The accumulation a run at micro-batch `micro` would get: the DS file's number, the checkpoint's on a
+        --resume at its micro-batch, else what "auto" picks for it."""
+        accum = cfg.get("gradient_accumulation_steps", 1)
+        if isinstance(accum, int):
+            return accum
+        rec = self.recorded or {}
+        if rec.get("micro_batch") == micro and rec.get("grad_accum") is not None:
+            return rec["grad_accum"]
+        return self.pick_accum(recipe, micro, device)[0]
 
     def pick_micro(self, cfg: dict, recipe: Recipe, dp: int, device: str) -> tuple[int, str, str | None]:
         """(micro-batch, why, problem): the largest candidate whose predicted peak fits; problem if none does. With
@@ -522,7 +557,8 @@ class GRPOAutoBatch(AutoBatch):
                        train=replace(recipe.train, compile=False))
 
     def peak_gib(self, cfg: dict, recipe: Recipe, dp: int, micro: int, device: str) -> float:
-        return predict_peak_gib(cfg, self.train_recipe(recipe), dp, micro, device) + self.extra_gib
+        return (predict_peak_gib(cfg, self.train_recipe(recipe), dp, micro, device,
+                                 self.accum_at(cfg, recipe, micro, device)) + self.extra_gib)
 
     def beside(self) -> str:
         return f", the reference policy and the rollout decoder {self.extra_gib:.1f} GiB"
