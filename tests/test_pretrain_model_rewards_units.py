@@ -134,8 +134,8 @@ def test_only_gaps_longer_than_min_gap_are_listed():
 def test_busy_time_is_the_union_of_overlapping_kernels():
     """Kernels that overlap (another stream) or touch are one busy stretch: 100-400 with 150-200 inside it and
     400-450 right after is 350 us busy, 0 idle, 3 kernels; touching kernels leave no idle gap even at
-    min_gap_us 0. [fails if: merging takes the later span's end instead of the max (busy 150), busy sums the
-    kernels unmerged (400), or touching spans are not merged (a 0 us gap listed)]"""
+    min_gap_us 0. [fails if: merging takes the later span's end instead of the max (busy 150), or busy sums the
+    kernels unmerged (400)]"""
     a = ev(1, "phase.a", 0, 1000)
     op = ev(2, "aten::mm", 10, 20, parent=a)
     ks = [ev(11, "gemm", 100, 400, device=CUDA, corr=2), ev(12, "small", 150, 200, device=CUDA, corr=2),
@@ -294,6 +294,221 @@ def test_the_compiled_rms_norm_is_transformers_arithmetic_with_a_trained_weight(
     x = torch.randn(4, 7, 64, generator=g).to(torch.bfloat16)
     with torch.no_grad():
         assert torch.equal(_rms_norm(x, norm.weight, norm.variance_epsilon), norm(x))
+
+
+def test_build_model_takes_the_tokenizer_dtype_device_and_attention_and_keeps_the_deepspeed_config():
+    """build_model builds the recipe's model with the tokenizer's special ids, in the dtype asked, on the device
+    asked (meta here), with the recipe's attention implementation, the chunked output layer installed
+    (engine/head.py), and the DeepSpeed config still seen by transformers after the call (it holds only a weak
+    reference). [fails if: any of tokenizer, dtype, device or attn_implementation is not passed on, head.install is
+    skipped, or the HfDeepSpeedConfig is not kept alive on the model]"""
+    import gc
+
+    from transformers.integrations.deepspeed import deepspeed_config, unset_hf_deepspeed_config
+
+    from engine.data import load_tokenizer
+    from engine.model import build_model
+
+    tok = load_tokenizer(str(ROOT / "engine" / "assets" / "tokenizer"))
+    m = ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=32,
+                    moe_intermediate_size=16, num_experts=4, attn_implementation="eager")
+    try:
+        model = build_model(m, {"zero_optimization": {"stage": 0}}, tok, dtype=torch.bfloat16, device="meta")
+        gc.collect()
+        assert deepspeed_config() == {"zero_optimization": {"stage": 0}}
+    finally:
+        unset_hf_deepspeed_config()
+    c = model.config
+    assert (c.pad_token_id, c.bos_token_id, c.eos_token_id, c._attn_implementation) == (0, 1, 2, "eager")
+    assert {(p.dtype, p.device.type) for p in model.parameters()} == {(torch.bfloat16, "meta")}
+    assert model._plain_forward is not None  # head.install's mark: model(ids, labels=...) goes through the chunks
+
+
+def test_a_loaded_model_takes_the_dtype_and_attention_asked(tmp_path):
+    """build_model with model.init_from loads the saved model (fp32 on disk) in the dtype asked and with the recipe's
+    attention implementation. [fails if: from_pretrained is not given dtype or attn_implementation]"""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    from engine.model import build_model, make_hf_config
+
+    small = ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=32,
+                        moe_intermediate_size=16, num_experts=4, vocab_size=64)
+    AutoModelForCausalLM.from_config(make_hf_config(small)).save_pretrained(tmp_path / "hf")
+    try:
+        model = build_model(ModelConfig(init_from=str(tmp_path / "hf"), attn_implementation="eager"),
+                            {"zero_optimization": {"stage": 0}}, dtype=torch.bfloat16)
+    finally:
+        unset_hf_deepspeed_config()
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and model.config._attn_implementation == "eager"
+    assert model.config.hidden_size == 32 and model.config.use_cache is False
+
+
+def test_build_model_builds_the_hf_config_it_is_given():
+    """build_model(hf_config=...) builds that config (GRPO's reference: a twin of the policy), not the recipe's.
+    [fails if: the given config is ignored]"""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    from engine.model import build_model, make_hf_config
+
+    m = ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=32,
+                    moe_intermediate_size=16, num_experts=4)
+    twin = make_hf_config(ModelConfig(num_layers=2, hidden_size=48, num_heads=2, num_kv_heads=2,
+                                      intermediate_size=32, moe_intermediate_size=16, num_experts=6))
+    try:
+        model = build_model(m, {"zero_optimization": {"stage": 0}}, hf_config=twin, device="meta")
+    finally:
+        unset_hf_deepspeed_config()
+    assert (model.config.num_hidden_layers, model.config.hidden_size, model.config.n_routed_experts) == (2, 48, 6)
+
+
+def test_make_hf_config_refuses_an_unknown_arch():
+    """[fails if: an unknown arch returns None instead of raising]"""
+    from engine.model import make_hf_config
+
+    with pytest.raises(ValueError, match="unknown arch llama"):
+        make_hf_config(ModelConfig(arch="llama"))
+
+
+# Modules as compile_parameter_free finds them by class name in a transformers model, in a module of their own whose
+# rotary functions it patches (as the attention code calls them as globals of its own module).
+class FakeRMSNorm(torch.nn.Module):
+    def __init__(self, eps: float):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+        self.variance_epsilon = eps
+
+
+class GatedRMSNorm(torch.nn.Module):  # an RMSNorm of another arithmetic (no variance_epsilon): not compiled
+    eps = 1e-6
+
+
+class FakeMLP(torch.nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.gate_proj, self.up_proj, self.down_proj = (torch.nn.Linear(4, 4, bias=False) for _ in range(3))
+        for lin in (self.gate_proj, self.up_proj, self.down_proj):
+            torch.nn.init.normal_(lin.weight, generator=g)
+        self.act_fn = act
+
+
+class GeluMLP(FakeMLP):
+    pass
+
+
+class Float8Linear(torch.nn.Linear):
+    linear_mm_config, config = "mm config", "float8 config"
+
+
+def rotary(q, k):
+    return q + k
+
+
+def fake_hf_model(monkeypatch):
+    """A model of the modules above in a module of its own, holding both rotary functions."""
+    import types
+
+    from transformers.activations import ACT2FN
+
+    hf = types.ModuleType("fake_modeling")
+    hf.apply_rotary_pos_emb = rotary
+    hf.apply_rotary_pos_emb_interleave = rotary
+    monkeypatch.setitem(__import__("sys").modules, "fake_modeling", hf)
+    model = type("FakeForCausalLM", (torch.nn.Module,), {"__module__": "fake_modeling"})()
+    model.norm, model.gated = FakeRMSNorm(eps=0.5), GatedRMSNorm()
+    model.mlp, model.gelu_mlp = FakeMLP(ACT2FN["silu"]), GeluMLP(ACT2FN["gelu"])
+    model.fp8 = Float8Linear(4, 3)
+    return model, hf
+
+
+def spy_compile(monkeypatch):
+    """torch.compile replaced by a wrapper that logs each compile (its options) and each call of a compiled
+    function, then runs the function as is."""
+    log = []
+
+    def compile_(fn, options=None, **kw):
+        log.append(("compile", fn.__name__, options))
+
+        def compiled(*args, **kwargs):
+            log.append(("call", fn.__name__))
+            return fn(*args, **kwargs)
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", compile_)
+    return log
+
+
+def test_compile_parameter_free_patches_what_it_knows_with_the_eager_arithmetic(monkeypatch):
+    """compile_parameter_free patches each RMSNorm with a variance_epsilon (not another norm), each MLP whose
+    activation is SiLU (not GELU), each Float8Linear and both rotary functions of the model's module, every one
+    compiled with emulate_precision_casts; the patched forwards compute what the modules did: the norm with the
+    module's own eps (0.5), silu(gate) * up, the FP8 matmul given (input, weight, mm config, config) plus the bias.
+    A second call leaves the already compiled rotary functions as they are. [fails if: a norm without
+    variance_epsilon or a non-SiLU MLP is patched, a kind or a rotary function is missed, precision casts are not
+    emulated, the norm's eps, the gate and up projections, the FP8 arguments or the bias are mixed up, or a rotary
+    function is wrapped twice]"""
+    import torch.nn.functional as F
+
+    import engine.model as model_py
+
+    log = spy_compile(monkeypatch)
+    fp8_calls = []
+
+    def fp8_linear(x, weight, mm_config, config):
+        fp8_calls.append((mm_config, config))
+        return x @ weight.t()
+
+    monkeypatch.setattr(model_py, "_fp8_linear", fp8_linear)
+    model, hf = fake_hf_model(monkeypatch)
+    done = model_py.compile_parameter_free(model)
+    assert done == ["FakeMLP (silu(gate) * up)", "FakeRMSNorm (norm)", "Float8Linear (fp8 casts and GEMM)",
+                    "apply_rotary_pos_emb (rotary)", "apply_rotary_pos_emb_interleave (rotary)"]
+    assert sorted(e[1] for e in log) == ["_rms_norm", "_silu_mul", "fp8_linear", "rotary", "rotary"]
+    assert {e[2]["emulate_precision_casts"] for e in log} == {True}
+    x = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(1))
+    w = model.norm.weight
+    assert torch.allclose(model.norm(x), w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 0.5)))
+    mlp = model.mlp
+    assert torch.allclose(mlp(x), mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x)))
+    assert torch.allclose(model.fp8(x), x @ model.fp8.weight.t() + model.fp8.bias)
+    assert fp8_calls == [("mm config", "float8 config")]
+    assert [e for e in log if e[0] == "call"] == [("call", n) for n in ("_rms_norm", "_silu_mul", "fp8_linear")]
+    assert "forward" not in vars(model.gated) and "forward" not in vars(model.gelu_mlp)
+    assert hf.apply_rotary_pos_emb(1, 2) == 3 and log[-1] == ("call", "rotary")
+    patched = hf.apply_rotary_pos_emb
+    assert model_py.compile_parameter_free(model) == done[:3] and hf.apply_rotary_pos_emb is patched
+
+
+@pytest.mark.parametrize("lengths_vary", [False, True])
+def test_compiled_functions_run_with_autograd_or_in_grpo_and_never_inside_another_compile(monkeypatch,
+                                                                                            lengths_vary):
+    """The compiled code runs for calls with autograd on; for no-grad calls only in GRPO (lengths_vary: its
+    reference and old log-probs); inside another compile never (the eager code is traced into it). In GRPO every
+    dimension of a tensor argument but the last is marked dynamic before the call (a (2, 3, 4) input: dims 0 and 1;
+    the 1-D weight: none), in pretraining none. [fails if: the grad, lengths_vary or is_compiling condition is
+    dropped, pretraining marks dimensions dynamic, or the last dimension is marked]"""
+    import engine.model as model_py
+
+    log = spy_compile(monkeypatch)
+    marked = []
+    monkeypatch.setattr(torch._dynamo, "maybe_mark_dynamic", lambda t, d: marked.append((tuple(t.shape), d)))
+    model, _ = fake_hf_model(monkeypatch)
+    model_py.compile_parameter_free(model, lengths_vary=lengths_vary)
+    x = torch.randn(2, 3, 4)
+
+    def compiled_calls(grad: bool, compiling: bool = False) -> int:
+        log.clear()
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
+        with torch.set_grad_enabled(grad):
+            model.norm.forward(x)
+        return len(log)
+
+    assert compiled_calls(grad=True) == 1
+    assert compiled_calls(grad=False) == (1 if lengths_vary else 0)
+    assert compiled_calls(grad=True, compiling=True) == 0
+    assert compiled_calls(grad=False, compiling=True) == 0
+    assert marked == ([((2, 3, 4), 0), ((2, 3, 4), 1)] * 2 if lengths_vary else [])
 
 
 # ---------------------------------------------------------------- pretrain
