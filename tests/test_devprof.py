@@ -175,3 +175,88 @@ def test_long_names_are_cut_to_60_characters_for_operators_and_90_for_kernels():
     out = idle_report([p, op, *ks], ("p",))
     assert section(out, "top kernels") == ["     0.02       2  p: " + "k" * 90], out
     assert section(out, "device idle gaps") == ["     0.09      1  p: " + ("aten::" + "o" * 100)[:60]], out
+
+
+def test_only_gaps_longer_than_min_gap_are_listed():
+    """idle_report lists the gaps between kernels longer than min_gap_us, as its docstring and header say: a 20 us
+    gap at min_gap_us 20 is not listed, a 21 us one is. [fails if: a gap equal to min_gap_us is counted]"""
+    for gap, listed in ((20, False), (21, True)):
+        a = ev(1, "phase.a", 0, 1000)
+        op = ev(2, "aten::mm", 10, 20, parent=a)
+        ks = [ev(11, "gemm", 100, 200, device=CUDA, corr=2), ev(12, "gemm", 200 + gap, 300, device=CUDA, corr=2)]
+        out = idle_report([a, op, *ks], ("phase.a",), min_gap_us=20)
+        assert bool(section(out, "device idle gaps")) is listed, (gap, out)
+
+
+def test_busy_time_is_the_union_of_overlapping_kernels():
+    """Kernels that overlap (another stream) or touch are one busy stretch: 100-400 with 150-200 inside it and
+    400-450 right after is 350 us busy, 0 idle, 3 kernels; touching kernels leave no idle gap even at
+    min_gap_us 0. [fails if: merging takes the later span's end instead of the max (busy 150), or busy sums the
+    kernels unmerged (400)]"""
+    a = ev(1, "phase.a", 0, 1000)
+    op = ev(2, "aten::mm", 10, 20, parent=a)
+    ks = [ev(11, "gemm", 100, 400, device=CUDA, corr=2), ev(12, "small", 150, 200, device=CUDA, corr=2),
+          ev(13, "tail", 400, 450, device=CUDA, corr=2)]
+    out = idle_report([a, op, *ks], ("phase.a",), min_gap_us=0)
+    assert section(out, "device busy by phase")[0].split() == ["phase.a", "0.35", "0.35", "0.00", "3"]
+    assert section(out, "device idle gaps") == [] and "0.00 ms in all" in out
+
+
+def test_a_gap_is_charged_to_the_innermost_running_operator_up_to_its_grandparent():
+    """At the gap's middle (280 us) the latest-starting host event ("brief", 20-30) has ended: the gap goes to the
+    innermost one still running ("op", 10-800), named with two enclosing operators and no more (not "root").
+    [fails if: the scan back from the latest-starting event stops after one event ("(no host operator)"), or the
+    chain's depth is not 3]"""
+    root = ev(1, "root", 0, 2000)
+    step = ev(2, "step", 1, 1000, parent=root)
+    fwd = ev(3, "fwd", 5, 900, parent=step)
+    op = ev(4, "op", 10, 800, parent=fwd)
+    brief = ev(5, "brief", 20, 30, parent=op)
+    late = ev(6, "late", 450, 460, parent=op)
+    k1 = ev(11, "k1", 50, 60, device=CUDA, corr=5)
+    k2 = ev(12, "k2", 500, 510, device=CUDA, corr=6)
+    out = idle_report([root, step, fwd, op, brief, late, k1, k2], ("root",), min_gap_us=20)
+    gaps = section(out, "device idle gaps")
+    assert len(gaps) == 1 and gaps[0].split()[:2] == ["0.44", "1"], out
+    assert gaps[0].endswith("root: op < fwd < step"), gaps
+
+
+def test_phases_and_rows_are_ordered_by_time_and_an_operator_after_its_phase_is_outside_it():
+    """Phases are listed in the order of their first kernel (z.first, -, a.second: not alphabetically) in both
+    tables; a phase's kernels by device time, largest first; the gaps by idle time, largest first. An operator
+    starting after its phase's span ended (110 us, z.first is 0-100) is outside any phase ("-"), even when the
+    annotation's span drawn on the device (20-120) covers it. [fails if: either table is sorted by name, the kernel
+    or gap rows ascending, the phase's end is not checked, or device-side annotation spans count as phases]"""
+    z = ev(1, "z.first", 0, 100)
+    a = ev(2, "a.second", 200, 400)
+    drawn = ev(3, "z.first", 20, 120, device=CUDA)
+    drawn.is_user_annotation = True
+    op1 = ev(4, "aten::small_and_big", 10, 12, parent=z)
+    op3 = ev(5, "aten::between", 110, 112)
+    op2 = ev(6, "aten::late", 210, 212, parent=a)
+    ks = [ev(11, "small", 30, 60, device=CUDA, corr=4), ev(12, "big", 60, 160, device=CUDA, corr=4),
+          ev(13, "between_k", 170, 180, device=CUDA, corr=5), ev(14, "late_k", 300, 320, device=CUDA, corr=6)]
+    out = idle_report([z, a, drawn, op1, op3, op2, *ks], ("z.first", "a.second"), min_gap_us=5)
+    busy = section(out, "device busy by phase")
+    assert [r.split()[0] for r in busy] == ["z.first", "-", "a.second"], out
+    assert busy[1].split() == ["-", "0.01", "0.01", "0.00", "1"]
+    top = section(out, "top kernels")
+    assert [r.split(None, 2)[2] for r in top] == ["z.first: big", "z.first: small", "-: between_k",
+                                                  "a.second: late_k"], out
+    gaps = section(out, "device idle gaps")
+    assert [(r.split()[0], r.split()[2]) for r in gaps] == [("0.12", "a.second:"), ("0.01", "-:")], out
+
+
+def test_only_work_counts_as_a_kernel_not_annotation_spans_drawn_on_the_device():
+    """A device event named as a phase (with or without the user-annotation flag) and a user annotation's span of
+    any name are not kernels: one kernel counted. [fails if: either the flag check or the phase-name check is
+    dropped from _is_kernel]"""
+    a = ev(1, "phase.a", 0, 100)
+    op = ev(2, "aten::mm", 10, 12, parent=a)
+    k = ev(11, "gemm", 20, 60, device=CUDA, corr=2)
+    named = ev(12, "phase.a", 20, 90, device=CUDA)  # a phase's name, no flag
+    flagged = ev(13, "my.range", 20, 90, device=CUDA)  # flagged, a name that is not a phase
+    flagged.is_user_annotation = True
+    out = idle_report([a, op, k, named, flagged], ("phase.a",))
+    assert [r.split() for r in section(out, "device busy by phase")] == [["phase.a", "0.04", "0.04", "0.00", "1"]], out
+    assert [r.split(None, 2)[2] for r in section(out, "top kernels")] == ["phase.a: gemm"]
