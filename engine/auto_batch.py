@@ -170,10 +170,16 @@ def _bytes_per_param(cfg: dict) -> tuple[int, int, float]:
     master = (2 if bf16.get("bf16_master_weights_and_grads") else 4) if half else 0  # fp32: the weights are master
     moments = 4 if bf16.get("bf16_optimizer_states") else 8  # Adam's two moments
     optimizer = master + moments
-    off = (cfg.get("zero_optimization") or {}).get("offload_optimizer") or {}
-    if off.get("device", "none") not in ("none", None):
+    off = _offload(cfg, "offload_optimizer")
+    if off is not None:
         optimizer *= 1.0 - float(off.get("ratio", 1.0))  # the part left on the device
     return weights, grads, optimizer
+
+
+def _offload(cfg: dict, key: str) -> dict | None:
+    """zero_optimization's `key` section ("offload_optimizer", "offload_param") where it offloads (a device set)."""
+    section = (cfg.get("zero_optimization") or {}).get(key) or {}
+    return section if section.get("device", "none") not in ("none", None) else None
 
 
 def states_gib(cfg: dict, recipe: Recipe, dp: int) -> float:
@@ -185,8 +191,7 @@ def states_gib(cfg: dict, recipe: Recipe, dp: int) -> float:
     local = total - experts + experts / ep  # what a rank holds unpartitioned
     weights, grads, optimizer = _bytes_per_param(cfg)
     stage = _stage(cfg)
-    zero = cfg.get("zero_optimization") or {}
-    if stage >= 3 and (zero.get("offload_param") or {}).get("device", "none") not in ("none", None):
+    if stage >= 3 and _offload(cfg, "offload_param") is not None:
         weights = 0
     w = weights * (total / dp if stage >= 3 else local)
     g = grads * (total / dp if stage >= 2 else local)
@@ -291,10 +296,10 @@ def fixed_gib(cfg: dict, accum) -> float:
     """The fixed overhead beyond the states (FIXED_GIB), less under ZeRO-2 with one micro-batch per step on the device
     (ZERO2_ONE_MICRO_FIXED_GIB): `accum` 1 (an int; "auto" counts as more than one)."""
     stage = min(_stage(cfg), 3)
-    offload = ((cfg.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device", "none")
     weights, grads, _ = _bytes_per_param(cfg)
     fp32_buffer = grads > weights  # fp32 gradient accumulation of a half model: DeepSpeed's own partition buffer
-    if stage == 2 and accum == 1 and not isinstance(accum, bool) and offload in ("none", None) and not fp32_buffer:
+    if (stage == 2 and accum == 1 and not isinstance(accum, bool) and _offload(cfg, "offload_optimizer") is None
+            and not fp32_buffer):
         return ZERO2_ONE_MICRO_FIXED_GIB
     return FIXED_GIB[stage]
 
