@@ -503,7 +503,7 @@ def reference_compiles(ds: dict, train) -> bool:
     """Whether the reference copy's parameter-free functions are compiled: wherever the policy compiles anything,
     its parameter-free functions ("auto") or, with train.compile: true, its whole decoder layers (pretrain.
     compile_layers, which the copy does not take: not measured on it). Left eager beside a policy compiled by
-    layers, the copy's pass took 0.130 s against 0.109 s on an H100 (docs/benchmarks.md, GRPO with train.compile)."""
+    layers, the copy's pass was slower (docs/benchmarks.md, GRPO against TRL with train.compile: true)."""
     if train is None or getattr(train, "compile", False) is False:
         return False
     return compiles_parameter_free(ds, replace(train, compile="auto"), lengths_vary=True)

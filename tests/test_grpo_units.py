@@ -478,8 +478,8 @@ def test_grpo_reference_copy_compiles_wherever_the_policy_compiles(monkeypatch, 
                                                                     expect):
     """build_reference's plain copy (ZeRO 0-2, or ZeRO-3 on one GPU) compiles its parameter-free functions wherever
     the policy compiles anything, with train.compile "auto" or true, on CUDA; never with compile false, a pipeline or
-    on a CPU. [fails if: the copy stays eager beside a policy compiled by whole layers (0.130 against 0.109 s a
-    reference pass on an H100), or compiles where the policy compiles nothing]"""
+    on a CPU. [fails if: the copy stays eager beside a policy compiled by whole layers, or compiles where the
+    policy compiles nothing]"""
     from types import SimpleNamespace
 
     from engine import grpo
