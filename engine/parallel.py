@@ -308,13 +308,18 @@ def compiles_parameter_free(ds_config: dict, train, lengths_vary: bool = False) 
     parameter-free functions of the layers are compiled instead (model.compile_parameter_free; docs/benchmarks.md).
     GRPO's policy (lengths_vary) takes them under every ZeRO stage with compile "auto": its lengths change every step,
     which DeepSpeed's whole-layer compile of ZeRO 1-2 pretraining does not serve. Whole layers instead: pretraining
-    under ZeRO 1-2 (engine/pretrain.py), and with train.compile: true pretraining under ZeRO-3 with decoder-layer
-    leaves and GRPO's policy under any stage (pretrain.compile_layers). Pipeline stages are left as they are."""
+    under ZeRO 1-2 (engine/pretrain.py), pretraining under ZeRO-3 with decoder-layer leaves (compile true, or "auto"
+    with AutoEP: ds_config.auto_compiles_layers) and GRPO's policy with compile true under any stage
+    (pretrain.compile_layers). Pipeline stages are left as they are."""
     from deepspeed.accelerator import get_accelerator
 
-    from .ds_config import zero3_compiles_layers
+    from .ds_config import auto_compiles_layers, zero3_compiles_layers
 
     stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
-    layers = getattr(train, "compile", False) is True and (zero3_compiles_layers(ds_config) or lengths_vary)
+    compile_ = getattr(train, "compile", False)
+    if lengths_vary:  # GRPO's policy: true compiles its layers, "auto" the parameter-free functions
+        layers = compile_ is True
+    else:
+        layers = zero3_compiles_layers(ds_config) if compile_ is True else auto_compiles_layers(ds_config)
     return (train is not None and getattr(train, "compile", False) is not False and (stage == 3 or lengths_vary)
             and not layers and "pipeline" not in ds_config and get_accelerator().device_name() == "cuda")

@@ -20,8 +20,8 @@ from .balance import ExpertBalance
 from .config import ConfigError, Recipe, load_recipe
 from .data import ReadAhead, build_data, load_tokenizer, to_device, vocab_problem
 from .data_check import check_corpus
-from .ds_config import (compile_blocker, read_ds_config, resolve_ds_config, uses_expert_parallel, zero3_compiles_layers,
-                        zero_stage)
+from .ds_config import (auto_compiles_layers, read_ds_config, resolve_ds_config, uses_expert_parallel,
+                        zero3_compiles_layers, zero_stage)
 from .metrics import Metrics, print0
 from .watchdog import PeerTimeoutError, peer_timeout
 from .model import build_model
@@ -211,11 +211,12 @@ def build(recipe: Recipe, ds: dict, tok, world: World):
 
 
 def wants_compile(recipe: Recipe, ds: dict) -> bool:
-    """train.compile: true, or auto on a CUDA device where the DS config allows compiling around AutoEP."""
+    """train.compile: true, or auto on a CUDA device where the decoder layers can be compiled whole
+    (ds_config.auto_compiles_layers: around AutoEP under ZeRO-1/2, each layer under ZeRO-3 with layer leaves)."""
     from deepspeed.accelerator import get_accelerator
 
     if recipe.train.compile == "auto":
-        return get_accelerator().device_name() == "cuda" and compile_blocker(ds) is None
+        return get_accelerator().device_name() == "cuda" and auto_compiles_layers(ds)
     return bool(recipe.train.compile)
 
 

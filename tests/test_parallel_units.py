@@ -132,6 +132,7 @@ def on_cuda(monkeypatch):
 
 
 LAYER_LEAVES = {"leaf_module": {"names": ["model.layers.0", "model.layers.1"]}}
+AUTOEP = {"expert_parallel": {"enabled": True}}
 
 
 @pytest.mark.parametrize("ds, compile_, lengths_vary, expect", [
@@ -142,7 +143,9 @@ LAYER_LEAVES = {"leaf_module": {"names": ["model.layers.0", "model.layers.1"]}}
     ({"zero_optimization": {"stage": 1}}, True, False, False),
     ({"zero_optimization": {"stage": 3}, "pipeline": {"stages": 2}}, "auto", False, False),
     ({"zero_optimization": {"stage": 3, **LAYER_LEAVES}}, True, False, False),  # pretrain.compile_layers instead
-    ({"zero_optimization": {"stage": 3, **LAYER_LEAVES}}, "auto", False, True),
+    ({"zero_optimization": {"stage": 3, **LAYER_LEAVES}}, "auto", False, True),  # no AutoEP: no whole layers
+    ({"zero_optimization": {"stage": 3, **LAYER_LEAVES}, **AUTOEP}, "auto", False, False),  # compile_layers instead
+    ({"zero_optimization": {"stage": 3, **LAYER_LEAVES}, **AUTOEP}, "auto", True, True),  # GRPO's policy: as before
     ({"zero_optimization": {"stage": 3}}, True, True, False),  # GRPO's policy with compile: true: whole layers
     ({"zero_optimization": {"stage": 3}}, "auto", True, True),
     ({"zero_optimization": {"stage": 2}}, "auto", True, True),  # GRPO's policy under ZeRO-2: lengths vary
@@ -153,7 +156,8 @@ LAYER_LEAVES = {"leaf_module": {"names": ["model.layers.0", "model.layers.1"]}}
 ])
 def test_parameter_free_compile_under_zero3_and_for_grpo_on_cuda(on_cuda, ds, compile_, lengths_vary, expect):
     """[fails if: another ZeRO stage, a pipeline, compile "auto", or GRPO's compile: true changes the answer; GRPO's
-    policy under ZeRO 1-2 with compile "auto" compiles nothing]"""
+    policy under ZeRO 1-2 with compile "auto" compiles nothing; pretraining's "auto" under ZeRO-3 with AutoEP and
+    layer leaves compiles the parameter-free functions instead of the layers]"""
     assert parallel.compiles_parameter_free(ds, SimpleNamespace(compile=compile_), lengths_vary) is expect
 
 

@@ -462,3 +462,42 @@ def test_main_ends_0_with_or_without_rows(tmp_path, monkeypatch):
         assert pretrain.main(argv) == 0
     done = [p for p in printed if p.startswith("done")]
     assert done == [f"done: 4 steps, final loss 2.5000, run_dir {tmp_path / 'run'}"]
+
+
+AUTO_COMPILE = {  # shipped file -> what "auto" compiles on CUDA with AutoEP, and without (bin/bench.py --no_autoep)
+    "zero3.json": ("layers", "parameter-free"), "zero3_bf16_states.json": ("layers", "parameter-free"),
+    "zero3_offload.json": ("layers", "parameter-free"),  # the optimizer offloaded; the layers are leaves still
+    "zero2.json": ("deepspeed", "none"), "zero2_bf16_states.json": ("deepspeed", "none")}
+
+
+@pytest.mark.parametrize("name", list(AUTO_COMPILE))
+@pytest.mark.parametrize("autoep", [True, False])
+def test_auto_compile_on_cuda_is_whole_layers_wherever_they_can_be(monkeypatch, name, autoep):
+    """Pretraining's train.compile "auto" on CUDA, per shipped file: ZeRO-1/2 through DeepSpeed around AutoEP, ZeRO-3
+    with AutoEP and decoder-layer leaves each layer in the engine (compile_layers); without AutoEP (bin/bench.py
+    --no_autoep) no whole layer (ZeRO-3: the parameter-free functions). The memory model follows the same choice.
+    [fails if: "auto" under zero3.json stays on the parameter-free functions, compiles a plain HF MoE layer, or
+    auto_batch's calibration disagrees with what is compiled]"""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from engine import auto_batch, parallel
+    from engine.auto_batch import AutoBatch
+    from engine.ds_config import read_ds_config, resolve_ds_config, zero3_compiles_layers
+
+    monkeypatch.setattr("deepspeed.accelerator.get_accelerator", lambda: SimpleNamespace(device_name=lambda: "cuda"))
+    r = load_recipe(None, {"train.compile": "auto"})
+    raw = read_ds_config(Path(__file__).parents[1] / "ds_configs" / name)
+    if not autoep:
+        raw.pop("expert_parallel")
+    ds = resolve_ds_config(raw, r, world_size=1, ranks_per_node=1, auto_batch=AutoBatch(), device="cuda")
+    whole = pretrain.wants_compile(r, ds)
+    how = ("parameter-free" if parallel.compiles_parameter_free(ds, r.train) else
+           ("layers" if zero3_compiles_layers(ds) else "deepspeed") if whole else "none")
+    assert how == AUTO_COMPILE[name][0 if autoep else 1]
+    assert (auto_batch.family(ds, r, "cuda") == "autoep_compiled") is (autoep and whole)
+    # true as written keeps its meaning, false compiles nothing; GRPO's policy ("auto", lengths vary) stays on the
+    # parameter-free functions
+    assert pretrain.wants_compile(load_recipe(None, {"train.compile": True}), ds)
+    assert not pretrain.wants_compile(load_recipe(None, {"train.compile": False}), ds)
+    assert parallel.compiles_parameter_free(ds, r.train, lengths_vary=True)
