@@ -518,6 +518,7 @@ class Decoder:
         for t in ([self.mask] + fused + ([self.route_step] if record_routes else [])) if self.device.type == "cuda" else []:
             torch._dynamo.mark_static_address(t)  # filled in place; the captured graph reads it where it is
         self.compile = self.device.type == "cuda" if compile is None else compile
+        self.compile_mode = compile_mode
         self.step_fn = (torch.compile(self._forward, mode=compile_mode, fullgraph=True, dynamic=False)
                         if self.compile else self._forward)
         # generate's per-step sampling and log-prob over the whole vocabulary as one compiled function: eager, a
@@ -546,6 +547,12 @@ class Decoder:
     def refresh(self, module: torch.nn.Module) -> None:
         """Write the policy's current weights into this copy's existing tensors (collective over ranks)."""
         copy_weights(self.model, module)
+
+    def summary(self) -> str:
+        """One line: what the decoder was built as (GRPO prints it once, when the decoder is built)."""
+        how = f"compiled ({self.compile_mode})" if self.compile else "eager"
+        return (f"rollout decoder: {self.batch_size} rows x {self.cache_len} cache slots, experts "
+                f"{self.decode_experts}, attention {self.attention}, decode step {how}")
 
     def memory_bytes(self) -> int:
         """Weights + buffers + KV cache (the cache once allocated, i.e. after the first rollout)."""

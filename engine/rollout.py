@@ -17,6 +17,7 @@ from deepspeed.runtime.rollout import HybridEngineRollout, RolloutBatch, Rollout
 
 from . import head
 from .decoder import Decoder, copy_weights, empty_copy
+from .metrics import print0
 
 
 def local_copy(module: torch.nn.Module, device, decode_experts: str = "auto") -> torch.nn.Module:
@@ -47,6 +48,7 @@ class DecoderRollout(RolloutEngine):
             self.decoder = Decoder(self.engine.module, self.engine.device, self.batch_size, self.cache_len,
                                    self.decode_experts, record_routes=self.record_routes,
                                    attention=self.decode_attention)
+            print0(self.decoder.summary())
         else:
             self.decoder.refresh(self.engine.module)
 

@@ -381,3 +381,18 @@ def test_rollout_sampling_takes_the_requests_top_p_and_temperature():
     assert out.input_ids.shape == (2, 11) and rollout.last_logps.shape == (2, 6)
     assert (rollout.last_logps - plain_logps(policy, out.input_ids, out.attention_mask, 5, 2.0)).abs().max() < 1e-4
     assert (rollout.last_logps - plain_logps(policy, out.input_ids, out.attention_mask, 5, 1.0)).abs().max() > 1e-2
+
+
+def test_the_rollout_prints_what_its_decoder_was_built_as_once(capsys):
+    """GRPO's first sync builds the decoder and prints one line with its batch, cache, experts and attention kernel
+    (which one "auto" took is otherwise not in the log); a refresh prints nothing. [fails if: the line is missing,
+    names the requested "auto" instead of the resolved kernel, or repeats at every sync]"""
+    from engine.rollout import DecoderRollout
+
+    model = tiny()
+    engine = SimpleNamespace(module=model, device=torch.device("cpu"))
+    r = DecoderRollout(engine, None, batch_size=2, cache_len=16)
+    r.sync_weights(0)
+    r.sync_weights(1)
+    out = [line for line in capsys.readouterr().out.splitlines() if line.startswith("rollout")]
+    assert out == ["rollout decoder: 2 rows x 16 cache slots, experts grouped_mm, attention torch, decode step eager"]
