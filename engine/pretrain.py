@@ -203,10 +203,14 @@ def build(recipe: Recipe, ds: dict, tok, world: World):
                f"{rest} in the model's dtype")
     if wants_compile(recipe, ds):
         if zero3_compiles_layers(ds):
-            compile_layers(engine.module)
+            done = compile_layers(engine.module)
+            print0(f"compile: each decoder layer's forward ({len(done)} functions with the shared experts; AutoEP and "
+                   "ZeRO-3's hooks eager)")
         else:
             engine.compile()
-            compile_outside_autoep(engine.module)
+            done = compile_outside_autoep(engine.module)
+            print0(f"compile: the decoder layers around their AutoEP blocks (DeepSpeed; the blocks eager), and "
+                   f"{len(done)} more modules (dense layers, shared experts)")
     return engine, data
 
 

@@ -239,7 +239,7 @@ def test_moe_combine_kernel_follows_the_device_unless_written(device, written, e
     assert raw["expert_parallel"].get("combine_impl") == written  # the caller's dict is not touched
 
 
-def test_compiled_model_leaves_only_autoep_eager_and_matches_eager(tmp_path):
+def test_compiled_model_leaves_only_autoep_eager_and_matches_eager(tmp_path, capsys):
     """train.compile: true with ZeRO-2 + AutoEP, here on a CPU: DeepSpeed compiles the decoder layers that hold an
     AutoEP block; the engine compiles the rest (a first dense layer, each block's shared experts). The compiled
     model's loss equals the eager one's on the same batch (bf16: inductor fuses and reorders, 1e-2)."""
@@ -254,6 +254,8 @@ def test_compiled_model_leaves_only_autoep_eager_and_matches_eager(tmp_path):
                            auto_batch=AutoBatch())
     init_distributed()
     engine, data = build(r, ds, load_tokenizer(r.data.tokenizer), world_from_env())
+    assert ("compile: the decoder layers around their AutoEP blocks (DeepSpeed; the blocks eager), and 2 more modules "
+            "(dense layers, shared experts)") in capsys.readouterr().out  # layers.0 (dense) and layers.1's shared MLP
     layers = engine.module.model.layers
     assert all(layer._compiled_call_impl is not None for layer in layers)
     assert layers[1].mlp.__class__.__name__ == "AutoEPMoELayer"
