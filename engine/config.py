@@ -133,20 +133,19 @@ class TrainConfig:
     Adam/AdamW on the GPU (no optimizer offload), otherwise off. true: required (refused where it cannot apply).
     false: DeepSpeed's optimizer as configured."""
     compile: bool | str = "auto"
-    """torch.compile through DeepSpeed (engine.compile()) of the layers around the AutoEP blocks (DS config
-    "compile": {"autoep_non_moe": true}; routing and experts stay eager). auto: on for CUDA runs whose DS config
-    allows it (ZeRO stage 1-2 with AutoEP, no offload, no pipeline; +21% tokens/s on one H200, docs/benchmarks.md);
-    under ZeRO-3 on CUDA only the layers' parameter-free functions (RMSNorm's arithmetic, silu(gate) * up, rotary:
-    engine/model.py compile_parameter_free; +12% on one H200), DeepSpeed's hooks staying eager; off otherwise.
-    true: always (refused where it cannot be done); under ZeRO-3 with decoder-layer leaves (zero_optimization.leaf_module
-    "auto", as shipped) pretraining compiles each decoder layer's forward itself, AutoEP eager, DeepSpeed's hooks
-    around the layer (engine/pretrain.py compile_layers; 1.05-1.09x on one H100, docs/benchmarks.md; auto does not
-    take it until a second card measures it). false: never. All of this is pretraining's. bin/grpo.py: auto compiles
-    the parameter-free functions of the policy and of its one-GPU reference copy (no-grad passes included) under every
-    ZeRO stage on CUDA and nothing else (layers eager; DeepSpeed's whole-layer compile of ZeRO 1-2 pretraining does
-    not serve GRPO's changing lengths); true compiles the policy's decoder layers, AutoEP eager, for any sequence
-    length (compile_layers with dynamic shapes; on one H100 steps 6% (ZeRO-2) and 1.4% (ZeRO-3) shorter for 26-59 s
-    more at step 1, docs/benchmarks.md, so auto does not take it); the reference's layers stay eager."""
+    """Pretraining: auto compiles the decoder layers on CUDA wherever they can be compiled whole: under ZeRO stage 1-2
+    with AutoEP, no offload, no pipeline, through DeepSpeed (engine.compile() with the DS config's "compile":
+    {"autoep_non_moe": true}: routing and experts eager); under ZeRO-3 with AutoEP and decoder-layer leaves
+    (zero_optimization.leaf_module "auto", as shipped) each layer's forward in the engine, AutoEP eager, DeepSpeed's
+    hooks around the layer (engine/pretrain.py compile_layers); under other ZeRO-3 files on CUDA only the layers'
+    parameter-free functions (RMSNorm's arithmetic, silu(gate) * up, rotary: engine/model.py compile_parameter_free);
+    off otherwise. true: as auto where the layers can be compiled whole (ZeRO-3 leaves without AutoEP included),
+    refused elsewhere. false: never. bin/grpo.py: auto compiles the parameter-free functions of the policy and of its
+    one-GPU reference copy (no-grad passes included) under every ZeRO stage on CUDA and nothing else (layers eager;
+    DeepSpeed's whole-layer compile of ZeRO 1-2 pretraining does not serve GRPO's changing lengths); true compiles the
+    policy's decoder layers, AutoEP eager, for any sequence length (compile_layers with dynamic shapes: slightly
+    shorter steps for up to a minute more at step 1, so auto does not take it); the reference copy's layers stay
+    eager. Measured: docs/benchmarks.md."""
 
 
 @dataclass
@@ -480,6 +479,8 @@ def weights_problem(d: Path) -> str | None:
     if found[0].endswith(".index.json"):
         try:
             shards = sorted(set(json.loads((d / found[0]).read_text())["weight_map"].values()))
+            if not all(isinstance(s, str) for s in shards):
+                raise TypeError("a shard name that is not a string")
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             return f"{found[0]} is not a weights index (a JSON object with a weight_map: {type(e).__name__} {e})"
         gone = [s for s in shards if not (d / s).is_file()]

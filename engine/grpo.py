@@ -935,7 +935,7 @@ def setup(recipe: Recipe, ds: dict, tok, rewards, prompts, evals, world: World) 
     policy = build_engine(model, ds, schedule, lengths_vary=True)
     if world.rank:  # different samples on each rank (rank 0 draws on from the build's stream)
         torch.manual_seed(recipe.train.seed + world.rank)
-    if recipe.train.compile is True:  # not "auto": 2.5% shorter steps for ~55 s more at step 1 (docs/benchmarks.md)
+    if recipe.train.compile is True:  # not "auto": a little faster, a minute more at step 1 (docs/benchmarks.md)
         done = compile_layers(policy.module, dynamic=None)
         print0(f"compile: the policy's decoder layers and shared experts ({len(done)} functions; AutoEP eager), any "
                "length")

@@ -327,6 +327,14 @@ def test_an_index_without_a_weight_map_is_one_line(tmp_path):
                                          "weight_map: KeyError 'weight_map')")
 
 
+def test_an_index_naming_a_shard_that_is_not_a_string_is_one_line(tmp_path):
+    """An index whose weight_map holds null (or a number) is refused in one line, not a TypeError from the path join.
+    [fails if: the shard names are joined to the directory unchecked]"""
+    (tmp_path / "model.safetensors.index.json").write_text('{"metadata": {}, "weight_map": {"a": null}}')
+    assert weights_problem(tmp_path) == ("model.safetensors.index.json is not a weights index (a JSON object with a "
+                                         "weight_map: TypeError a shard name that is not a string)")
+
+
 def test_a_cut_shard_is_named_and_a_bin_file_is_not_read_as_safetensors(tmp_path):
     """Catches sharded safetensors never checked for a cut, or pytorch_model.bin read as a safetensors file."""
     a, b = tmp_path / "a", tmp_path / "b"
