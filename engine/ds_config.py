@@ -629,8 +629,7 @@ def auto_compiles_layers(cfg: dict) -> bool:
     """Pretraining's train.compile "auto" on CUDA compiles the decoder layers whole: around the AutoEP blocks through
     DeepSpeed (compile_blocker None: ZeRO-1/2), or under ZeRO-3 with AutoEP and decoder-layer leaves each layer's
     forward in the engine, AutoEP eager (zero3_compiles_layers; engine/pretrain.py compile_layers; measured in
-    docs/benchmarks.md). Elsewhere "auto" compiles what engine/parallel.py
-    compiles_parameter_free says, or nothing."""
+    docs/benchmarks.md). Elsewhere "auto" compiles what engine/parallel.py compiles_parameter_free says, or nothing."""
     return compile_blocker(cfg) is None or (zero3_compiles_layers(cfg) and uses_expert_parallel(cfg))
 
 
