@@ -201,13 +201,11 @@ def states_gib(cfg: dict, recipe: Recipe, dp: int) -> float:
 
 def family(cfg: dict, recipe: Recipe, device: str) -> str:
     """Which calibration the run follows: AutoEP compiled, AutoEP eager, or the plain HF MoE block (eager)."""
-    from .ds_config import auto_compiles_layers, uses_expert_parallel
+    from .ds_config import compiles_layers, uses_expert_parallel
 
     if not uses_expert_parallel(cfg):
         return "plain_eager"
-    compiled = (device in ("cuda", "rocm") and auto_compiles_layers(cfg) if recipe.train.compile == "auto"
-                else bool(recipe.train.compile))  # as engine.pretrain.wants_compile decides it
-    return "autoep_compiled" if compiled else "autoep_eager"
+    return "autoep_compiled" if compiles_layers(recipe.train.compile, cfg, device) else "autoep_eager"
 
 
 # The output layer (engine/head.py), which the rows above (vocabulary 512) barely see: the logits of one chunk of

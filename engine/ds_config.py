@@ -633,6 +633,15 @@ def auto_compiles_layers(cfg: dict) -> bool:
     return compile_blocker(cfg) is None or (zero3_compiles_layers(cfg) and uses_expert_parallel(cfg))
 
 
+def compiles_layers(compile_, cfg: dict, device: str) -> bool:
+    """Whether pretraining compiles its decoder layers whole: train.compile true, or "auto" on a GPU ("cuda", "rocm")
+    where auto_compiles_layers. One rule for engine/pretrain.py (what it compiles) and engine/auto_batch.py (which
+    memory calibration the run follows)."""
+    if compile_ == "auto":
+        return device in ("cuda", "rocm") and auto_compiles_layers(cfg)
+    return bool(compile_)
+
+
 def zero_stage(cfg: dict):
     return (cfg.get("zero_optimization") or {}).get("stage", 0)
 

@@ -20,7 +20,7 @@ from .balance import ExpertBalance
 from .config import ConfigError, Recipe, load_recipe
 from .data import ReadAhead, build_data, load_tokenizer, to_device, vocab_problem
 from .data_check import check_corpus
-from .ds_config import (auto_compiles_layers, read_ds_config, resolve_ds_config, uses_expert_parallel,
+from .ds_config import (compiles_layers, read_ds_config, resolve_ds_config, uses_expert_parallel,
                         zero3_compiles_layers, zero_stage)
 from .metrics import Metrics, print0
 from .watchdog import PeerTimeoutError, peer_timeout
@@ -215,13 +215,11 @@ def build(recipe: Recipe, ds: dict, tok, world: World):
 
 
 def wants_compile(recipe: Recipe, ds: dict) -> bool:
-    """train.compile: true, or auto on a CUDA device where the decoder layers can be compiled whole
-    (ds_config.auto_compiles_layers: around AutoEP under ZeRO-1/2, each layer under ZeRO-3 with layer leaves)."""
+    """train.compile: true, or auto on a GPU where the decoder layers can be compiled whole (ds_config.compiles_layers:
+    around AutoEP under ZeRO-1/2, each layer under ZeRO-3 with AutoEP and layer leaves)."""
     from deepspeed.accelerator import get_accelerator
 
-    if recipe.train.compile == "auto":
-        return get_accelerator().device_name() == "cuda" and auto_compiles_layers(ds)
-    return bool(recipe.train.compile)
+    return compiles_layers(recipe.train.compile, ds, get_accelerator().device_name())
 
 
 def compile_layers(model: torch.nn.Module, dynamic: bool | None = False) -> list[str]:
