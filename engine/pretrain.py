@@ -204,8 +204,10 @@ def build(recipe: Recipe, ds: dict, tok, world: World):
     if wants_compile(recipe, ds):
         if zero3_compiles_layers(ds):
             done = compile_layers(engine.module)
-            print0(f"compile: each decoder layer's forward ({len(done)} functions with the shared experts; AutoEP and "
-                   "ZeRO-3's hooks eager)")
+            shared = sum(name.endswith(".shared_experts") for name in done)
+            extra = f" and the shared experts of {shared} MoE blocks" if shared else ""
+            print0(f"compile: each decoder layer's forward ({len(done) - shared} layers{extra}; AutoEP and ZeRO-3's "
+                   "hooks eager)")
         else:
             engine.compile()
             done = compile_outside_autoep(engine.module)
