@@ -29,7 +29,9 @@ class GRPOLossConfig:
     beta: float = 0.0
     """Weight of the per-token KL to the reference policy. 0 = no KL term (no reference needed)."""
     kl: str = "k3"
-    """KL estimator: k1 = logp - ref_logp (unbiased, can be negative); k3 = e^(ref-logp) - (ref-logp) - 1 (>= 0)."""
+    """KL estimator: k1 = logp - ref_logp (unbiased, can be negative; in the loss its gradient, grad logp, averages to
+    zero over the policy's own samples, so it barely pulls toward the reference); k3 = e^(ref-logp) - (ref-logp) - 1
+    (>= 0, the default)."""
     aggregation: str = "grpo"
     """How token losses become one number: grpo, dapo or dr_grpo (see the module docstring)."""
     normalize_std: bool = True
