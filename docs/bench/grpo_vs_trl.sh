@@ -28,6 +28,8 @@
 #   PRETRAIN_ROWS=docs/bench/vocab/pretrain.jsonl PRETRAIN_CARD=H200 (pretraining's rows for the "train / pretraining"
 #   column, and the card they ran on: the column stays empty on another card)
 #   TRAIN_COMPILE=true (the recipe's train.compile: true compiles the policy's decoder layers; give T_ENGINE its compile)
+#   COMMIT=<git rev-parse --short HEAD> (the rows' "commit": name the tree's commit when the run's copy has no .git of
+#   its own, or an older one: the device machine's copy reported 0439584 for a tree at 7fe7d41)
 #   GRPO_SCRIPT=bin/grpo.py (a wrapper that patches something for a diagnosis and runs bin/grpo.py; CONFIGS may name files)
 # CPU smoke test (here, tiny model; the same steps):
 #   OUT=/tmp/gvt RECIPE=engine/recipes/grpo_tiny.yaml MAX_NEW_TOKENS=8 STEPS=2 bash docs/bench/grpo_vs_trl.sh
@@ -155,7 +157,7 @@ fi
 [ -f "$OUT/trl.jsonl" ] && RUNS="$RUNS trl|trl|-|$OUT/trl.jsonl"
 
 # Summary: one row per run in $OUT/grpo_vs_trl.jsonl, and the table
-RUNS="$RUNS" COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown) STEPS=$STEPS TRL_STEPS=$TRL_STEPS RECIPE=$RECIPE \
+RUNS="$RUNS" COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)} STEPS=$STEPS TRL_STEPS=$TRL_STEPS RECIPE=$RECIPE \
 python3 - "$OUT" <<'EOF' 2>&1 | tee "$OUT/summary.txt"
 import json, os, statistics, sys
 
