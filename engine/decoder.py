@@ -108,7 +108,7 @@ def dense_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
 
 
 def fuse_for_decode(model: torch.nn.Module, dense_experts: bool, fold_shared: bool = True,
-                    topk: str = "rank") -> list[torch.Tensor]:
+                    topk: str = "rank", gate_dtype: bool = False) -> list[torch.Tensor]:
     """Lay out the decoder's weights for fewer, larger GEMMs; returns the new storages.
 
     Linears that read the same input share one storage, rows stacked, and each keeps its own weight as a view
@@ -116,7 +116,9 @@ def fuse_for_decode(model: torch.nn.Module, dense_experts: bool, fold_shared: bo
     kv_a_proj_with_mqa. With dense experts, the experts' down projections are stored (H, E, F), and with
     `fold_shared` a DeepSeek MoE block's shared experts join the routed experts' two GEMMs (`fold_shared_experts`).
     A DeepSeek-V3 router with one expert group skips the group top-k; `topk` "rank" takes its top-k by counting
-    (`topk_by_rank`) instead of torch.topk. Run on the empty copy, before its weights are written."""
+    (`topk_by_rank`) instead of torch.topk. `gate_dtype` True (the policy routes through AutoEP): the DeepSeek routers
+    compute their logits as AutoEP's router does (`router_logits`). Run on the empty copy, before its weights are
+    written."""
     storages = []
     if dense_experts and fold_shared:
         for m in model.modules():
@@ -140,9 +142,13 @@ def fuse_for_decode(model: torch.nn.Module, dense_experts: bool, fold_shared: bo
             relaid = m.down_proj.new_empty(H, E, Fd)
             m.down_proj = torch.nn.Parameter(relaid.permute(1, 0, 2), requires_grad=False)
             storages.append(relaid)
-        if type(m).__name__ == "DeepseekV3TopkRouter" and m.num_group == 1:
-            m.forward = types.MethodType(ungrouped_router_forward, m)
-            m._topk_by_rank = topk == "rank"
+        if type(m).__name__ in DEEPSEEK_ROUTERS:
+            m._gate_dtype = gate_dtype
+            if type(m).__name__ == "DeepseekV3TopkRouter" and m.num_group == 1:
+                m.forward = types.MethodType(ungrouped_router_forward, m)
+                m._topk_by_rank = topk == "rank"
+            elif gate_dtype:
+                m.forward = types.MethodType(DEEPSEEK_ROUTERS[type(m).__name__], m)
     return storages
 
 
@@ -225,19 +231,74 @@ def fused_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(self.act_fn(gate) * up)
 
 
+def router_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A DeepSeek router's (T, E) fp32 logits as the policy computes them. transformers' DeepSeek-V2/V3 routers
+    multiply in fp32; AutoEP's router (DeepSpeed's TokenChoiceTopKRouter, which the policy trains through) runs its
+    gate in the weights' dtype and upcasts the result, so in bf16 each logit is rounded to bf16 (a relative 2^-9)
+    before the sigmoid or softmax. A decoder that multiplied in fp32 under an AutoEP policy would order two experts
+    within that rounding differently from the trainer: another expert for that token, and log-probs that move by up to
+    nats (docs/grpo.md, routing replay). `_gate_dtype` (fuse_for_decode) says which one the policy does."""
+    if getattr(self, "_gate_dtype", False):
+        return F.linear(hidden_states, self.weight).float()
+    return F.linear(hidden_states.float(), self.weight.float())
+
+
 def ungrouped_router_forward(self, hidden_states: torch.Tensor):
     """DeepSeek-V3's router with one expert group (our recipes): transformers' math without the group top-k,
-    which with a single group selects everything. Returns (logits, weights, indices) as transformers' does."""
+    which with a single group selects everything, on `router_logits`. Returns (logits, weights, indices) as
+    transformers' does."""
     hidden_states = hidden_states.view(-1, self.hidden_dim)
-    router_logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))
-    scores = router_logits.sigmoid()
+    router_logits_ = router_logits(self, hidden_states)
+    scores = router_logits_.sigmoid()
     choice = scores + self.e_score_correction_bias
     topk_indices = (topk_by_rank(choice, self.top_k) if self._topk_by_rank
                     else torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1])
     topk_weights = scores.gather(1, topk_indices)
     if self.norm_topk_prob:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return router_logits, topk_weights * self.routed_scaling_factor, topk_indices
+    return router_logits_, topk_weights * self.routed_scaling_factor, topk_indices
+
+
+def grouped_router_forward(self, hidden_states: torch.Tensor):
+    """transformers' DeepseekV3TopkRouter.forward with several expert groups (the groups whose top-2 scores sum
+    highest, then the top-k experts inside them), on `router_logits`."""
+    hidden_states = hidden_states.view(-1, self.hidden_dim)
+    logits = router_logits(self, hidden_states)
+    scores = logits.sigmoid()
+    choice = scores + self.e_score_correction_bias
+    per = self.num_experts // self.num_group
+    group_scores = choice.view(-1, self.num_group, per).topk(2, dim=-1)[0].sum(dim=-1)
+    groups = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+    choice = choice.masked_fill(~keep.repeat_interleave(per, dim=1), float("-inf"))
+    topk_indices = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+    topk_weights = scores.gather(1, topk_indices)
+    if self.norm_topk_prob:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return logits, topk_weights * self.routed_scaling_factor, topk_indices
+
+
+def v2_router_forward(self, hidden_states: torch.Tensor):
+    """transformers' DeepseekV2TopkRouter.forward (softmax scores; greedy or group-limited greedy top-k), on
+    `router_logits`."""
+    hidden_states = hidden_states.view(-1, self.hidden_dim)
+    logits = router_logits(self, hidden_states)
+    scores = logits.softmax(dim=-1, dtype=torch.float32)
+    if self.topk_method == "group_limited_greedy":
+        per = self.num_experts // self.num_group
+        groups = torch.topk(scores.view(-1, self.num_group, per).max(dim=-1).values, k=self.topk_group, dim=-1,
+                            sorted=False)[1]
+        keep = torch.zeros(scores.shape[0], self.num_group, dtype=torch.bool, device=scores.device)
+        scores = scores.masked_fill(~keep.scatter_(1, groups, True).repeat_interleave(per, dim=1), 0.0)
+    elif self.topk_method != "greedy":
+        raise ValueError(f"rollout decoder: DeepSeek-V2 topk_method {self.topk_method!r} is not greedy or "
+                         "group_limited_greedy")
+    topk_weights, topk_indices = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
+    return logits, topk_weights * self.routed_scaling_factor, topk_indices
+
+
+# the routers whose logits router_logits computes: transformers' class name -> the decoder's forward for them
+DEEPSEEK_ROUTERS = {"DeepseekV3TopkRouter": grouped_router_forward, "DeepseekV2TopkRouter": v2_router_forward}
 
 
 def topk_by_rank(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -476,7 +537,8 @@ class Decoder:
             model.set_attn_implementation("sdpa")
         if topk not in ("torch", "rank"):
             raise ValueError(f"rollout decoder: topk {topk!r} is not torch or rank")
-        fused = fuse_for_decode(model, dense_experts=decode_experts == "dense", fold_shared=fold_shared, topk=topk)
+        fused = fuse_for_decode(model, dense_experts=decode_experts == "dense", fold_shared=fold_shared, topk=topk,
+                                gate_dtype=bool(_autoep_layers(module)))
         config = model.config
         mla = [m for m in model.modules() if hasattr(m, "kv_b_proj")]
         for m in mla:  # DeepSeek's MLA: attend in the latent space (absorbed_mla_forward)

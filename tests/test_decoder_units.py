@@ -396,3 +396,75 @@ def test_the_rollout_prints_what_its_decoder_was_built_as_once(capsys):
     r.sync_weights(1)
     out = [line for line in capsys.readouterr().out.splitlines() if line.startswith("rollout")]
     assert out == ["rollout decoder: 2 rows x 16 cache slots, experts grouped_mm, attention torch, decode step eager"]
+
+
+def _ds_router(weight: torch.Tensor, bias: torch.Tensor | None, *, softmax: bool, top_k: int, groups=None,
+               limited=None, group_score="top2_sum", norm: bool, scale: float):
+    """DeepSpeed's AutoEP router (what a policy trains through) with the given gate weight and correction bias."""
+    from deepspeed.moe.ep_router import TokenChoiceTopKRouter
+
+    r = TokenChoiceTopKRouter(dim=weight.shape[1], num_experts=weight.shape[0], num_expert_groups=groups,
+                              num_limited_groups=limited, top_k=top_k, score_func="softmax" if softmax else "sigmoid",
+                              route_norm=norm, route_scale=scale, gate_bias=False, group_score_func=group_score)
+    r = r.to(weight.dtype)
+    with torch.no_grad():
+        r.gate.weight.copy_(weight)
+    r.e_score_correction_bias = bias
+    return r
+
+
+@pytest.mark.parametrize("kind", ["v3", "v3_grouped", "v2", "v2_grouped"])
+def test_the_decode_router_rounds_its_logits_as_the_autoep_router_does(kind):
+    """In bf16 AutoEP's router (the trainer's) multiplies its gate in bf16 and upcasts; transformers' DeepSeek routers
+    multiply in fp32. With `_gate_dtype` (a decoder built from an AutoEP policy) the decoder's router picks, for every
+    one of 4,000 tokens, the experts AutoEP's picks, with the same weights; the fp32 logits pick others for some
+    tokens (near-ties that bf16 rounding orders differently). V3 (sigmoid + correction bias, with and without expert
+    groups) and V2 (softmax, greedy and group-limited). [fails if: the decoder's router multiplies in fp32 under an
+    AutoEP policy, or its grouped / V2 forwards differ from AutoEP's routing]"""
+    import types
+
+    from transformers import DeepseekV2Config, DeepseekV3Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    from engine.decoder import DEEPSEEK_ROUTERS, ungrouped_router_forward
+
+    E, H, k = 16, 64, 4
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(E, H, generator=g) / H ** 0.5).to(torch.bfloat16)
+    x = torch.randn(4000, H, generator=g).to(torch.bfloat16)
+    grouped = kind.endswith("grouped")
+    if kind.startswith("v3"):
+        cfg = DeepseekV3Config(hidden_size=H, n_routed_experts=E, num_experts_per_tok=k, n_group=4 if grouped else 1,
+                               topk_group=2 if grouped else 1, norm_topk_prob=True, routed_scaling_factor=2.5)
+        dec = DeepseekV3TopkRouter(cfg)
+        bias = (0.02 * torch.randn(E, generator=g)).float()
+        dec.e_score_correction_bias = bias.clone()
+        ds = _ds_router(w, bias, softmax=False, top_k=k, groups=4 if grouped else None, limited=2 if grouped else None,
+                        norm=True, scale=2.5)
+        forward = DEEPSEEK_ROUTERS["DeepseekV3TopkRouter"] if grouped else ungrouped_router_forward
+    else:
+        cfg = DeepseekV2Config(hidden_size=H, n_routed_experts=E, num_experts_per_tok=k, n_group=4, topk_group=2,
+                               topk_method="group_limited_greedy" if grouped else "greedy", routed_scaling_factor=1.5)
+        dec = DeepseekV2TopkRouter(cfg)
+        ds = _ds_router(w, None, softmax=True, top_k=k, groups=4 if grouped else None, limited=2 if grouped else None,
+                        group_score="max", norm=False, scale=1.5)
+        forward = DEEPSEEK_ROUTERS["DeepseekV2TopkRouter"]
+    dec = dec.to(torch.bfloat16)
+    if kind.startswith("v3"):
+        dec.e_score_correction_bias = bias.clone()  # kept in fp32, as the decoder keeps the policy's buffers
+    with torch.no_grad():
+        dec.weight.copy_(w)
+    dec.forward, dec._topk_by_rank = types.MethodType(forward, dec), False
+    want_w, want_i, _ = ds(x)
+    picks = {}
+    for gate_dtype in (True, False):
+        dec._gate_dtype = gate_dtype
+        _, got_w, got_i = dec(x)
+        order, want_order = got_i.sort(-1), want_i.sort(-1)
+        picks[gate_dtype] = (order.values == want_order.values).all(-1)
+        if gate_dtype:
+            assert picks[True].all()
+            torch.testing.assert_close(got_w.gather(1, order.indices), want_w.float().gather(1, want_order.indices),
+                                       atol=1e-6, rtol=0)
+    assert not picks[False].all()  # fp32 logits choose other experts for some tokens: what the rounding decides
