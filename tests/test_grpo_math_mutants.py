@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine.grpo_math import GRPOLossConfig, policy_loss
+from test_replay_balance_units import _policy
 
 
 def t(values) -> torch.Tensor:
@@ -160,19 +161,6 @@ def make_router(logits_dim: int = 8, *, score_func="sigmoid", route_norm=True, r
     return r.to(dtype)
 
 
-def policy_of(*routers) -> torch.nn.Module:
-    """A stand-in policy: model.layers.i.mlp is an AutoEP layer holding routers[i]."""
-    model = torch.nn.Module()
-    model.model = torch.nn.Module()
-    model.model.layers = torch.nn.ModuleList()
-    for r in routers:
-        block, layer = torch.nn.Module(), torch.nn.Module()
-        layer._is_autoep_layer, layer.router = True, r
-        block.mlp = layer
-        model.model.layers.append(block)
-    return model
-
-
 def as_routes(ids: torch.Tensor) -> torch.Tensor:
     """(T, k) ids of one layer -> (B T, S 1, L 1, k) int16 routes."""
     return ids[:, None, None, :].to(torch.int16)
@@ -183,7 +171,7 @@ def test_a_policy_without_moe_layers_is_refused():
     [fails if: the empty-layer check is dropped]"""
     from engine.routing import Router
 
-    model = policy_of(make_router())
+    model = _policy([make_router()])
     model.model.layers[0].mlp._is_autoep_layer = False
     with pytest.raises(ValueError, match="grpo.routing_replay: the policy has no MoE"):
         Router(model)
@@ -194,7 +182,7 @@ def test_routes_of_another_layer_count_are_refused():
     [fails if: the layer-count check in use() is dropped]"""
     from engine.routing import Router
 
-    router = Router(policy_of(make_router()))
+    router = Router(_policy([make_router()]))
     with pytest.raises(RuntimeError, match="routes of 2 MoE layers for a policy with 1"):
         with router.use(torch.zeros(3, 1, 2, 2, dtype=torch.int16)):
             pass
@@ -206,7 +194,7 @@ def test_routes_of_another_token_count_are_refused():
     from engine.routing import Router
 
     r = make_router()
-    router = Router(policy_of(r))
+    router = Router(_policy([r]))
     with router.use(as_routes(torch.tensor([[0, 1], [2, 3], [4, 5]]))):
         with pytest.raises(RuntimeError, match="3 recorded tokens for a forward over 4"):
             r(torch.randn(4, 8))
@@ -221,7 +209,7 @@ def test_recording_without_replay_keeps_the_routers_own_choice():
     r0, r1 = make_router(16, seed=0), make_router(16, seed=1)
     x = torch.randn(5, 16)
     want0, want1 = r0(x)[1], r1(x)[1]
-    router = Router(policy_of(r0, r1))
+    router = Router(_policy([r0, r1]))
     with router.use(None, record=True):
         r0(x)
         r1(x)
@@ -236,7 +224,7 @@ def test_a_forward_after_use_records_nothing():
     from engine.routing import Router
 
     r = make_router(16)
-    router = Router(policy_of(r))
+    router = Router(_policy([r]))
     replayed = torch.tensor([[0, 1], [2, 3], [4, 5]])
     with router.use(as_routes(replayed), record=True):
         r(torch.randn(3, 16))
@@ -255,7 +243,7 @@ def test_replay_without_route_norm_keeps_the_raw_scores():
 
     logits = torch.tensor([[0.0, math.log(2), math.log(3), math.log(4)] + [-100.0] * 4])
     r = make_router(score_func="softmax", route_norm=False, route_scale=1.5)
-    router = Router(policy_of(r))
+    router = Router(_policy([r]))
     with router.use(as_routes(torch.tensor([[1, 3]]))):
         top, ids, counts = r(logits)
     assert top.tolist()[0] == pytest.approx([0.3, 0.6], abs=1e-6)
@@ -274,7 +262,7 @@ def test_replay_scores_a_bf16_gate_in_fp32():
     with torch.no_grad():
         s = torch.sigmoid(r.gate(x).float()).tolist()  # the reference: plain per-token arithmetic below
     want = [[2.5 * s[i][e] / (s[i][a] + s[i][b]) for e in (a, b)] for i, (a, b) in enumerate(ids.tolist())]
-    router = Router(policy_of(r))
+    router = Router(_policy([r]))
     with router.use(as_routes(ids)):
         top, _, _ = r(x)
     assert top.dtype == torch.float32
@@ -289,7 +277,7 @@ def test_replayed_experts_whose_scores_underflow_weigh_zero():
 
     logits = torch.tensor([[-200.0, -200.0, 1.0, 2.0, 0.0, 0.0, 0.0, 0.0]], requires_grad=True)
     r = make_router()
-    router = Router(policy_of(r))
+    router = Router(_policy([r]))
     with router.use(as_routes(torch.tensor([[0, 1]]))):
         top, _, _ = r(logits)
     assert top.tolist() == [[0.0, 0.0]]
