@@ -144,11 +144,10 @@ def fuse_for_decode(model: torch.nn.Module, dense_experts: bool, fold_shared: bo
             storages.append(relaid)
         if type(m).__name__ in DEEPSEEK_ROUTERS:
             m._gate_dtype = gate_dtype
-            if type(m).__name__ == "DeepseekV3TopkRouter" and m.num_group == 1:
-                m.forward = types.MethodType(ungrouped_router_forward, m)
-                m._topk_by_rank = topk == "rank"
-            elif gate_dtype:
+            v3_ungrouped = type(m).__name__ == "DeepseekV3TopkRouter" and m.num_group == 1
+            if v3_ungrouped or gate_dtype:
                 m.forward = types.MethodType(DEEPSEEK_ROUTERS[type(m).__name__], m)
+                m._topk_by_rank = v3_ungrouped and topk == "rank"
     return storages
 
 
@@ -243,35 +242,23 @@ def router_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return F.linear(hidden_states.float(), self.weight.float())
 
 
-def ungrouped_router_forward(self, hidden_states: torch.Tensor):
-    """DeepSeek-V3's router with one expert group (our recipes): transformers' math without the group top-k,
-    which with a single group selects everything, on `router_logits`. Returns (logits, weights, indices) as
-    transformers' does."""
-    hidden_states = hidden_states.view(-1, self.hidden_dim)
-    router_logits_ = router_logits(self, hidden_states)
-    scores = router_logits_.sigmoid()
-    choice = scores + self.e_score_correction_bias
-    topk_indices = (topk_by_rank(choice, self.top_k) if self._topk_by_rank
-                    else torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1])
-    topk_weights = scores.gather(1, topk_indices)
-    if self.norm_topk_prob:
-        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return router_logits_, topk_weights * self.routed_scaling_factor, topk_indices
-
-
-def grouped_router_forward(self, hidden_states: torch.Tensor):
-    """transformers' DeepseekV3TopkRouter.forward with several expert groups (the groups whose top-2 scores sum
-    highest, then the top-k experts inside them), on `router_logits`."""
+def v3_router_forward(self, hidden_states: torch.Tensor):
+    """transformers' DeepseekV3TopkRouter.forward on `router_logits`: experts chosen by sigmoid score + correction
+    bias (inside the groups whose top-2 choices sum highest, when there are several groups; with one, which selects
+    everything, that step is skipped), weighted by the score alone. `_topk_by_rank`: the top-k by counting
+    (topk_by_rank). Returns (logits, weights, indices) as transformers' does."""
     hidden_states = hidden_states.view(-1, self.hidden_dim)
     logits = router_logits(self, hidden_states)
     scores = logits.sigmoid()
     choice = scores + self.e_score_correction_bias
-    per = self.num_experts // self.num_group
-    group_scores = choice.view(-1, self.num_group, per).topk(2, dim=-1)[0].sum(dim=-1)
-    groups = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
-    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
-    choice = choice.masked_fill(~keep.repeat_interleave(per, dim=1), float("-inf"))
-    topk_indices = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+    if self.num_group > 1:
+        per = self.num_experts // self.num_group
+        group_scores = choice.view(-1, self.num_group, per).topk(2, dim=-1)[0].sum(dim=-1)
+        groups = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(per, dim=1), float("-inf"))
+    topk_indices = (topk_by_rank(choice, self.top_k) if getattr(self, "_topk_by_rank", False)
+                    else torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1])
     topk_weights = scores.gather(1, topk_indices)
     if self.norm_topk_prob:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -298,7 +285,7 @@ def v2_router_forward(self, hidden_states: torch.Tensor):
 
 
 # the routers whose logits router_logits computes: transformers' class name -> the decoder's forward for them
-DEEPSEEK_ROUTERS = {"DeepseekV3TopkRouter": grouped_router_forward, "DeepseekV2TopkRouter": v2_router_forward}
+DEEPSEEK_ROUTERS = {"DeepseekV3TopkRouter": v3_router_forward, "DeepseekV2TopkRouter": v2_router_forward}
 
 
 def topk_by_rank(x: torch.Tensor, k: int) -> torch.Tensor:

@@ -274,7 +274,7 @@ def test_a_decoder_with_the_counted_top_k_decodes_and_routes_as_torch_topk(monke
 
 @pytest.mark.parametrize("topk", ["rank", "torch"])
 def test_the_decode_router_chooses_by_score_plus_bias_and_weighs_by_score(topk):
-    """The decoder's DeepSeek-V3 router with one expert group (ungrouped_router_forward) against transformers' own
+    """The decoder's DeepSeek-V3 router with one expert group (v3_router_forward) against transformers' own
     router, with a routing bias that changes the choices (as train.balance_rate leaves it after training; a fresh
     model's bias is 0, where dropping it changes nothing): experts chosen by sigmoid score + bias, weighted by the
     score alone, normalized and scaled. [fails if: the decode router leaves the bias out of the choice, or weighs by
@@ -285,7 +285,7 @@ def test_the_decode_router_chooses_by_score_plus_bias_and_weighs_by_score(topk):
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-    from engine.decoder import ungrouped_router_forward
+    from engine.decoder import v3_router_forward
 
     cfg = DeepseekV3Config(hidden_size=16, n_routed_experts=8, num_experts_per_tok=3, n_group=1, topk_group=1,
                            norm_topk_prob=True, routed_scaling_factor=2.5)
@@ -299,7 +299,7 @@ def test_the_decode_router_chooses_by_score_plus_bias_and_weighs_by_score(topk):
     unbiased = torch.topk(logits_hf.sigmoid(), 3, dim=-1).indices
     assert not torch.equal(unbiased.sort(-1).values, i_hf.sort(-1).values)  # the bias moves some choices
     dec = copy.deepcopy(hf)
-    dec.forward, dec._topk_by_rank = types.MethodType(ungrouped_router_forward, dec), topk == "rank"
+    dec.forward, dec._topk_by_rank = types.MethodType(v3_router_forward, dec), topk == "rank"
     logits, w, i = dec(x)
     torch.testing.assert_close(logits, logits_hf, atol=0, rtol=0)
     order, order_hf = i.sort(-1), i_hf.sort(-1)
@@ -427,7 +427,7 @@ def test_the_decode_router_rounds_its_logits_as_the_autoep_router_does(kind):
     from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-    from engine.decoder import DEEPSEEK_ROUTERS, ungrouped_router_forward
+    from engine.decoder import DEEPSEEK_ROUTERS
 
     E, H, k = 16, 64, 4
     g = torch.Generator().manual_seed(0)
@@ -442,7 +442,7 @@ def test_the_decode_router_rounds_its_logits_as_the_autoep_router_does(kind):
         dec.e_score_correction_bias = bias.clone()
         ds = _ds_router(w, bias, softmax=False, top_k=k, groups=4 if grouped else None, limited=2 if grouped else None,
                         norm=True, scale=2.5)
-        forward = DEEPSEEK_ROUTERS["DeepseekV3TopkRouter"] if grouped else ungrouped_router_forward
+        forward = DEEPSEEK_ROUTERS["DeepseekV3TopkRouter"]
     else:
         cfg = DeepseekV2Config(hidden_size=H, n_routed_experts=E, num_experts_per_tok=k, n_group=4, topk_group=2,
                                topk_method="group_limited_greedy" if grouped else "greedy", routed_scaling_factor=1.5)
