@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -221,6 +222,8 @@ def save(engine, recipe: Recipe, state: dict, tokenizer=None) -> Path:
         files = _files(root / tag)
         for f in files:
             _fsync(f)  # on disk before `latest` can name them (a power cut must not leave a named, empty file)
+        for d in sorted({f.parent for f in files} | {root / tag}):
+            _fsync(d)  # and their names in their folders (tokenizer/, init_model/ and the tag's own)
         _write_atomic(root / tag / MANIFEST, json.dumps({"tag": tag, "files": manifest(root / tag)}, indent=1))
         _write_atomic(root / "latest", tag)
         prune(root, recipe.checkpoint.keep_last)
@@ -261,8 +264,12 @@ def point_to_our_exporter(root: Path) -> None:
 
 
 def manifest(folder: Path) -> dict:
-    """What manifest.json records of a tag folder: every other file, its size, and whether it is a zip."""
-    return {str(f.relative_to(folder)): {"size": f.stat().st_size, "zip": _is_zip(f)} for f in _files(folder)}
+    """What manifest.json records of a tag folder: every other file, its size, whether it is a zip, and for the
+    others (engine_state.json, the tokenizer's and init config's files: small) their CRC-32, as zips carry theirs."""
+    def entry(f: Path) -> dict:
+        z = _is_zip(f)
+        return {"size": f.stat().st_size, "zip": z, **({} if z else {"crc32": zlib.crc32(f.read_bytes())})}
+    return {str(f.relative_to(folder)): entry(f) for f in _files(folder)}
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -302,15 +309,46 @@ def resume_position(saved: dict, micro: int, world: int) -> int | None:
     return consumed // (micro * world) if consumed % (micro * world) == 0 else None
 
 
+# engine_state.json's fields that a resume reads, with their types (ints: >= 0; those in POSITIVE: >= 1). A file that
+# parses but breaks these (hand-edited, or written by something else) is refused by check_resume's line, not by a
+# traceback wherever the first field is read.
+STATE_FIELDS = {"step": int, "position": int, "tokens": int, "micro_batch": int, "world_size": int, "grad_accum": int,
+                "autoep_size": int, "pipeline_stages": int, "zero_stage": int, "prompts_done": int,
+                "optimizer": (str, type(None)), "init_source": (str, type(None)), "recipe": dict, "curriculum": dict}
+STATE_REQUIRED, POSITIVE = ("step", "position", "recipe"), ("micro_batch", "world_size", "grad_accum", "autoep_size")
+JSON_TYPES = {dict: "an object", list: "an array", str: "a string", int: "an integer", float: "a number",
+              bool: "a boolean", type(None): "null"}
+
+
+def state_problem(saved, complete: bool = True) -> str | None:
+    """What is wrong with the shape of a parsed engine_state.json, or None. complete: also every field a resume
+    needs is there (check_resume's test; the readers of single fields take what is there)."""
+    if not isinstance(saved, dict):
+        return f"is {JSON_TYPES.get(type(saved), type(saved).__name__)}, not an object"
+    missing = [k for k in STATE_REQUIRED if k not in saved] if complete else []
+    if missing:
+        return f"has no {' or '.join(missing)}"
+    for k, kind in STATE_FIELDS.items():
+        v = saved.get(k)
+        if k in saved and (not isinstance(v, kind) or isinstance(v, bool)):
+            return f"has {k} {json.dumps(v)}, not {JSON_TYPES[kind if isinstance(kind, type) else kind[0]]}"
+        if kind is int and k in saved and v < (1 if k in POSITIVE else 0):
+            return f"has {k} {v}, below {1 if k in POSITIVE else 0}"
+    for k in ("model", "data", "train"):
+        if not isinstance(saved.get("recipe", {}).get(k, {}), dict):
+            return f"has recipe.{k} {json.dumps(saved['recipe'][k])}, not an object"
+    return None
+
+
 def saved_state(run_dir: str | Path) -> dict | None:
     """`latest`'s engine_state.json (step, position, world, the recipe it ran, ...); None when there is none readable
-    (check_resume reports why)."""
+    or its shape is wrong (check_resume reports why)."""
     tag = latest(run_dir)
     try:
         saved = json.loads((ckpt_dir(run_dir) / tag / STATE_FILE).read_text()) if tag else None
     except (OSError, json.JSONDecodeError):
         return None
-    return saved if isinstance(saved, dict) else None
+    return None if state_problem(saved, complete=False) else saved
 
 
 def recorded_batch(run_dir: str | Path) -> dict | None:
@@ -511,6 +549,9 @@ def check_resume(recipe: Recipe, ds: dict, world_size: int, rank: int = 0) -> tu
         saved = json.loads((where / STATE_FILE).read_text())
     except (OSError, json.JSONDecodeError) as e:
         return [f"--resume: checkpoint {where} has no readable {STATE_FILE} ({type(e).__name__}); {fix}"], False
+    wrong = state_problem(saved)
+    if wrong:
+        return [f"--resume: checkpoint {where} has a {STATE_FILE} this engine did not write (it {wrong}); {fix}"], False
     problems = []
     ours = dataclasses.asdict(recipe.model)
     theirs = saved.get("recipe", {}).get("model", {})
@@ -548,12 +589,12 @@ def check_resume(recipe: Recipe, ds: dict, world_size: int, rank: int = 0) -> tu
     elif saved.get("world_size", world_size) != world_size or saved.get("autoep_size", ep_size(ds)) != ep_size(ds):
         universal = True
         if "pipeline" in ds:
-            problems.append(f"--resume: checkpoint {where} was saved on {saved['world_size']} ranks with autoep_size "
+            problems.append(f"--resume: checkpoint {where} was saved on {saved.get('world_size', world_size)} ranks with autoep_size "
                             f"{saved.get('autoep_size')}; pipeline mode resumes only on the same world size and "
                             f"autoep_size ({world_size} and {ep_size(ds)} now)")
     if resume_position(saved, micro, world_size) is None:
         problems.append(f"--resume: checkpoint {where} consumed {saved['position']} micro-batches of "
-                        f"{saved['micro_batch']} x {saved['world_size']} ranks, which is not a whole number of "
+                        f"{saved.get('micro_batch', micro)} x {saved.get('world_size', world_size)} ranks, which is not a whole number of "
                         f"micro-batches of {micro} x {world_size} ranks; pick train_micro_batch_size_per_gpu so "
                         f"that they divide evenly")
     return problems, universal
@@ -565,8 +606,13 @@ def damage(folder: Path, verify_crc: bool) -> str | None:
     if mf.is_file():
         try:
             files = json.loads(mf.read_text())["files"]
-        except (OSError, ValueError, KeyError) as e:
+        except (OSError, ValueError, KeyError, TypeError) as e:
             return f"{MANIFEST} is unreadable: {type(e).__name__}"
+        ok = lambda v, kind: isinstance(v, kind) and not isinstance(v, bool)  # noqa: E731
+        if not isinstance(files, dict) or not all(
+                isinstance(i, dict) and ok(i.get("size"), int) and isinstance(i.get("zip", False), bool)
+                and ok(i.get("crc32", 0), int) for i in files.values()):
+            return f"{MANIFEST} is not one this engine wrote (files: {{name: {{size, zip, crc32}}}} expected)"
     else:  # saved before manifests existed: check what is there
         files = {str(p.relative_to(folder)): {"size": p.stat().st_size, "zip": p.suffix == ".pt"}
                  for p in _files(folder)}
@@ -576,6 +622,8 @@ def damage(folder: Path, verify_crc: bool) -> str | None:
             return f"{name} is missing"
         if f.stat().st_size != info["size"]:
             return f"{name} has {f.stat().st_size} bytes, {info['size']} when saved"
+        if verify_crc and "crc32" in info and zlib.crc32(f.read_bytes()) != info["crc32"]:
+            return f"{name} has changed since it was saved: its CRC-32 differs"
         if info.get("zip"):
             try:
                 with zipfile.ZipFile(f) as z:

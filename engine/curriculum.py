@@ -169,17 +169,11 @@ def for_run(c: CurriculumConfig, n_prompts: int, batch: int, seed: int, saved: d
 
 def resume_problems(run_dir: str, c: CurriculumConfig, n_prompts: int) -> list[str]:
     """Preflight of --resume: the latest checkpoint's curriculum statistics must be for this many prompts."""
-    import json
-
     from . import checkpoint
 
-    tag = checkpoint.latest(run_dir)
-    if not c.enabled or tag is None:
+    if not c.enabled:
         return []
-    try:
-        saved = json.loads((checkpoint.ckpt_dir(run_dir) / tag / checkpoint.STATE_FILE).read_text()).get("curriculum")
-    except (OSError, ValueError):
-        return []  # check_resume reports an unreadable checkpoint
+    saved = (checkpoint.saved_state(run_dir) or {}).get("curriculum")  # None: check_resume reports what is wrong
     if saved is not None and saved.get("n_prompts") != n_prompts:
         return [resume_mismatch(saved.get("n_prompts"), n_prompts)]
     return []

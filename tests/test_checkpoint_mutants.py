@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import types
@@ -26,6 +27,7 @@ from engine import checkpoint
 from engine.checkpoint import (MANIFEST, Cadence, check_resume, damage, latest, no_latest, prune, recorded_batch,
                                run_dir_problems, saved_state, tag_for)
 from engine.config import CheckpointConfig, ConfigError, ModelConfig, Recipe, TrainConfig
+from engine.export import ExportError
 
 ROOT = Path(__file__).resolve().parent.parent
 DS = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1}
@@ -194,16 +196,18 @@ def test_a_crashed_saves_folder_and_a_stale_conversion_are_cleared(tmp_path, wor
 
 def test_every_file_is_fsynced_before_the_manifest_and_the_manifest_before_latest(tmp_path, world, monkeypatch):
     """The order a power cut needs: each file of the tag fsynced, then manifest.json renamed into place, then
-    `latest`. [fails if: the files are not fsynced, or `latest` moves before the manifest is written]"""
+    `latest`; the folders that hold them (the tag's, tokenizer/) too, before the manifest. [fails if: the files or
+    their folders are not fsynced, or `latest` moves before the manifest is written]"""
     events = []
     real_fsync, real_replace = checkpoint._fsync, os.replace
     monkeypatch.setattr(checkpoint, "_fsync", lambda p: events.append(("fsync", Path(p).name)) or real_fsync(p))
     monkeypatch.setattr(os, "replace", lambda a, b: events.append(("replace", Path(b).name)) or real_replace(a, b))
-    save(tmp_path, 2)
-    synced = [i for i, e in enumerate(events) if e[0] == "fsync" and e[1] in
-              ("mp_rank_00_model_states.pt", "notes.bin", "rng_rank0.pt", "engine_state.json", "buffers.pt")]
-    assert len(synced) == 5, events
-    assert max(synced) < events.index(("replace", MANIFEST)) < events.index(("replace", "latest")), events
+    save(tmp_path, 2, tokenizer=Tokenizer())
+    m = events.index(("replace", MANIFEST))
+    synced = {e[1] for e in events[:m] if e[0] == "fsync"}
+    assert synced >= {"mp_rank_00_model_states.pt", "notes.bin", "rng_rank0.pt", "engine_state.json", "buffers.pt",
+                      "tokenizer.json", "tokenizer", "step_00000002"}, events
+    assert m < events.index(("replace", "latest")), events
 
 
 def test_a_save_that_fails_before_its_manifest_leaves_latest_on_the_previous_tag(tmp_path, world, monkeypatch):
@@ -739,4 +743,83 @@ def test_unreadable_states_and_a_zero_batch_are_not_taken_for_a_checkpoints_valu
     (tag / checkpoint.STATE_FILE).write_text("[1, 2]")
     assert saved_state(tmp_path) is None and recorded_batch(tmp_path) is None
     (tag / checkpoint.STATE_FILE).write_text(json.dumps({"step": 10, "micro_batch": 0, "grad_accum": 4}))
-    assert recorded_batch(tmp_path) == {"grad_accum": 4}
+    assert recorded_batch(tmp_path) is None  # a state with a zero batch is refused whole (check_resume's line)
+
+
+# ------------------------------------------------------------------------------------------------ wrong shapes
+
+
+def resealed(tag: Path) -> None:
+    (tag / MANIFEST).write_text(json.dumps({"tag": tag.name, "files": checkpoint.manifest(tag)}))
+
+
+@pytest.mark.parametrize("text, why", [
+    ("[]", "it is an array, not an object"),
+    ("null", "it is null, not an object"),
+    ('{"step": 2, "recipe": {}}', "it has no position"),
+    ('{"step": 2, "position": 2}', "it has no recipe"),
+    ('{"step": "2", "position": 2, "recipe": {}}', 'it has step "2", not an integer'),
+    ('{"step": 2, "position": 2, "recipe": []}', "it has recipe [], not an object"),
+    ('{"step": 2, "position": 2, "recipe": {"model": [1]}}', "it has recipe.model [1], not an object"),
+    ('{"step": 2, "position": -1, "recipe": {}}', "it has position -1, below 0"),
+    ('{"step": 2, "position": 2, "world_size": 0, "recipe": {}}', "it has world_size 0, below 1"),
+    ('{"step": 2, "position": 2, "micro_batch": true, "recipe": {}}', "it has micro_batch true, not an integer"),
+    ('{"step": 2, "position": 2, "optimizer": 3, "recipe": {}}', "it has optimizer 3, not a string"),
+    ('{"step": 2, "position": 2, "curriculum": [], "recipe": {}}', "it has curriculum [], not an object"),
+])
+def test_an_engine_state_of_the_wrong_shape_is_refused_by_its_line(tmp_path, text, why):
+    """engine_state.json that parses but is not what save writes (hand-edited, another tool's): --resume's preflight
+    refuses it in one line naming what is wrong, the single-field readers (saved_state, recorded_batch) see no
+    state where a field has the wrong type, and the exporter refuses it too; none raises. [fails if: any of these raises (the traceback this
+    replaced: AttributeError, KeyError, TypeError), or a wrong field passes]"""
+    from engine.export.read import read_state
+
+    tag = saved(tmp_path, 10)
+    (tag / checkpoint.STATE_FILE).write_text(text)
+    resealed(tag)  # consistent files: only the content is wrong
+    problems, universal = check_resume(recipe(tmp_path), DS, 1)
+    assert problems == [f"--resume: checkpoint {tag} has a {checkpoint.STATE_FILE} this engine did not write "
+                        f"({why}); restore it, or start a fresh run_dir"] and not universal
+    if "has no" not in why:  # a missing field is for check_resume to report; the single-field readers go on
+        assert saved_state(tmp_path) is None and recorded_batch(tmp_path) is None
+    with pytest.raises(ExportError, match=f"not one this engine wrote \\({re.escape(why)}\\)"):
+        read_state(tag)
+
+
+def test_the_state_as_save_writes_it_passes_the_shape_check(tmp_path):
+    """Every field save and GRPO's save write, with their real types (optimizer null, init_source a path, a
+    curriculum), passes; so does a state without the optional fields. [fails if: the check refuses a real state]"""
+    full = {"step": 4, "position": 8, "tokens": 4096, "micro_batch": 2, "world_size": 2, "grad_accum": 1,
+            "autoep_size": 1, "pipeline_stages": 0, "zero_stage": 3, "optimizer": None, "init_source": "/m",
+            "prompts_done": 8, "curriculum": {"n_prompts": 4}, "recipe": {"model": {}, "data": {}, "train": {}}}
+    assert checkpoint.state_problem(full) is None
+    assert checkpoint.state_problem({"step": 4, "position": 8, "recipe": {}}) is None
+
+
+@pytest.mark.parametrize("text", ["null", "[]", '{"files": ["a"]}', '{"files": {"a": 3}}', '{"files": {"a": {}}}',
+                                  '{"files": {"a": {"size": "3"}}}', '{"files": {"a": {"size": 3, "zip": 1}}}',
+                                  '{"files": {"a": {"size": 3, "crc32": "x"}}}', '{"files": null}'])
+def test_a_manifest_of_the_wrong_shape_is_damage_not_a_crash(tmp_path, text):
+    """manifest.json that parses but is not save's {files: {name: {size, zip, crc32}}}: damage() names the manifest
+    (for --resume and the exporter alike). [fails if: it raises, or passes the folder]"""
+    (tmp_path / "a").write_bytes(b"abc")
+    (tmp_path / MANIFEST).write_text(text)
+    bad = damage(tmp_path, True)
+    assert bad is not None and bad.startswith(MANIFEST), bad
+
+
+def test_a_same_size_edit_of_engine_state_is_found_by_its_crc(tmp_path):
+    """A non-zip file's CRC-32 is in the manifest: engine_state.json edited to the same size (step 10 -> 99,
+    position alike) is damage where CRCs are checked (rank 0, the exporter), and a manifest without crc32 (older
+    saves) is still read by sizes. [fails if: the CRC is not recorded, not compared, or required]"""
+    tag = saved(tmp_path, 10)
+    resealed(tag)
+    assert "crc32" in json.loads((tag / MANIFEST).read_text())["files"][checkpoint.STATE_FILE]
+    text = (tag / checkpoint.STATE_FILE).read_text()
+    (tag / checkpoint.STATE_FILE).write_text(text.replace('"step": 10', '"step": 99'))
+    assert damage(tag, True) == f"{checkpoint.STATE_FILE} has changed since it was saved: its CRC-32 differs"
+    assert damage(tag, False) is None  # sizes only
+    files = json.loads((tag / MANIFEST).read_text())["files"]
+    del files[checkpoint.STATE_FILE]["crc32"]
+    manifest_of(tag, **files)
+    assert damage(tag, True) is None

@@ -122,6 +122,7 @@ def test_a_checkpoint_that_recorded_the_recipes_own_architecture_fields_resumes(
     unused fields (e.g. tiny.yaml's arch deepseek_v3, hidden 64); --resume with the same recipe still passes its
     checks (the model is the directory's, and the checkpoint's own weights are loaded)."""
     from engine.checkpoint import MANIFEST, check_resume
+    from engine.checkpoint import manifest as checkpoint_manifest
     from engine.auto_batch import AutoBatch
     from engine.config import load_recipe
     from engine.ds_config import read_ds_config, resolve_ds_config
@@ -133,7 +134,7 @@ def test_a_checkpoint_that_recorded_the_recipes_own_architecture_fields_resumes(
     state["recipe"]["model"].update(arch="deepseek_v3", hidden_size=64, num_experts=8, num_shared_experts=1)
     (tag / "engine_state.json").write_text(json.dumps(state))
     manifest = json.loads((tag / MANIFEST).read_text())
-    manifest["files"]["engine_state.json"]["size"] = (tag / "engine_state.json").stat().st_size
+    manifest["files"]["engine_state.json"] = checkpoint_manifest(tag)["engine_state.json"]  # as a save records it
     (tag / MANIFEST).write_text(json.dumps(manifest))
     recipe = load_recipe(family[2]["dir"] / "recipe.yaml", {"run_dir": str(run), "resume": True})
     ds = resolve_ds_config(read_ds_config(family[2]["ds"]), recipe, world_size=2, ranks_per_node=2,

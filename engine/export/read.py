@@ -101,11 +101,15 @@ def read_state(tag_dir: Path) -> dict:
     if not f.is_file():
         raise ExportError(f"{tag_dir}: no {STATE_FILE}, so the model config is unknown (this exporter reads "
                           "checkpoints written by bin/pretrain.py)")
+    from ..checkpoint import state_problem
+
     try:
         state = json.loads(f.read_text())
-        state["recipe"]["model"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise ExportError(f"{f}: unreadable or has no recipe.model section ({type(e).__name__}: {e})") from None
+    except ValueError as e:
+        raise ExportError(f"{f}: unreadable ({type(e).__name__}: {e})") from None
+    wrong = state_problem(state) or (None if isinstance(state["recipe"].get("model"), dict) else "has no recipe.model")
+    if wrong:
+        raise ExportError(f"{f}: not one this engine wrote (it {wrong}); export the run's own checkpoint folder")
     return state
 
 
