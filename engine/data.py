@@ -21,6 +21,7 @@ import itertools
 import json
 import os
 import tempfile
+import zipfile
 from collections import deque
 from pathlib import Path
 from typing import Iterator
@@ -293,8 +294,8 @@ def build_data(d: DataConfig, tokenizer, rank: int, world: int, seed: int):
             try:
                 with np.load(root / f"{key}.npz") as z:
                     return PackedSequences(z["sequences"], seed, ordered=bool(z["ordered"]))
-            except (OSError, ValueError, KeyError):
-                pass  # a damaged cache file is rebuilt below
+            except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+                pass  # a damaged cache file (empty, cut short, not an npz) is rebuilt below
         return pack_corpus(d, tokenizer, seed, root, key)
 
 
@@ -345,6 +346,8 @@ def pack_corpus(d: DataConfig, tokenizer, seed: int, root: Path | None, key: str
             root.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=root, suffix=".tmp", delete=False) as f:
                 np.savez(f, sequences=sequences, ordered=np.array(keys is not None))
+                f.flush()
+                os.fsync(f.fileno())  # on disk before its name is: a power cut leaves no empty entry
             os.replace(f.name, root / f"{key}.npz")  # atomic: a rank reading it sees all of it or none
         except OSError:
             pass  # a read-only or full cache only costs the next run its tokenizing

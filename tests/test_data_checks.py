@@ -335,15 +335,16 @@ def test_packed_corpus_is_cached_and_a_changed_file_is_packed_again(tmp_path, mo
         first = build_data(d, tok, 0, 1, 3)
         written = set(cache.glob("*.npz")) - before
         assert len(written) == 1
-        monkeypatch.setattr("engine.data.load_documents", lambda *a, **k: pytest.fail("read the documents again"))
-        second = build_data(d, tok, 0, 1, 3)
-        monkeypatch.undo()
+        with monkeypatch.context() as m:  # only this patch is undone: the cache setting stays for what follows
+            m.setattr("engine.data.load_documents", lambda *a, **k: pytest.fail("read the documents again"))
+            second = build_data(d, tok, 0, 1, 3)
         for data in (first, second):
             assert np.array_equal(data.sequences, fresh.sequences) and data.ordered == fresh.ordered
             assert [data.global_index(p) for p in range(60)] == [fresh.global_index(p) for p in range(60)]
     assert len(list(cache.glob("*.npz"))) == 2  # the curriculum's order is its own entry
     # Without a curriculum the windows do not depend on the seed (it shuffles them afterwards): another seed reads
     # the same entry, and still gets its own order.
+    assert os.environ["MOE_ENGINE_CACHE"] == str(cache)
     seed3, seed4 = (build_data(DataConfig(path=f, seq_len=16), tok, 0, 1, seed) for seed in (3, 4))
     assert len(list(cache.glob("*.npz"))) == 2 and np.array_equal(seed3.sequences, seed4.sequences)
     assert [seed3.global_index(p) for p in range(60)] != [seed4.global_index(p) for p in range(60)]
