@@ -45,7 +45,7 @@ PIPELINE_ARCHS = ("deepseek_v3", "qwen3_moe")  # engine/pipeline.py's stages, te
 
 # Sections the engine reads as objects (a `null` or a list there is refused before anything reads it).
 SECTIONS = ("zero_optimization", "optimizer", "bf16", "fp16", "expert_parallel", "pipeline", "compile", "checkpoint",
-            "activation_checkpointing")
+            "activation_checkpointing", "tensor_parallel")
 SUBSECTIONS = {"zero_optimization": ("offload_optimizer", "offload_param"), "optimizer": ("params",)}
 # Top-level keys of a DeepSpeed config (with deepspeed.runtime.constants' own): a key that is none of them but close to
 # one is a misspelling DeepSpeed would silently ignore (a misspelled zero_optimization trains with ZeRO off).
@@ -490,7 +490,7 @@ def resolve_batch_size(cfg: dict, world_size: int, stages: int, recipe: Recipe |
     if total == "auto":
         cfg["train_batch_size"] = micro * accum * dp
     elif total != micro * accum * dp:
-        return [f"train_batch_size ({total}) != train_micro_batch_size_per_gpu ({micro}) x "
+        return [f"train_batch_size ({total!r}) != train_micro_batch_size_per_gpu ({micro}) x "
                 f"gradient_accumulation_steps ({accum}{' micro-batches in the pipeline' if pipe else ''}) x "
                 f"data-parallel size ({dp}{f' = {world_size} ranks / {stages} stages' if pipe else ''}) = "
                 f"{micro * accum * dp}; fix one of them or set train_batch_size to \"auto\""]
