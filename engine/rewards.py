@@ -83,6 +83,14 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+def _is_finite(x: Any) -> bool:
+    """A number a float holds finitely (an int of 400 digits is none: math.isfinite raises on it)."""
+    try:
+        return _is_number(x) and math.isfinite(x)
+    except OverflowError:
+        return False
+
+
 def _check_builtin(fn: Callable, params: dict, where: str) -> list[str]:
     """Value checks for built-in parameters, so a typo fails at build time, not as a failure count."""
     p = []
@@ -93,6 +101,8 @@ def _check_builtin(fn: Callable, params: dict, where: str) -> list[str]:
         if params.get("which", "last") not in ("first", "last"):
             p.append(f"{where}.which: must be 'first' or 'last', got {params['which']!r}")
     elif fn is regex and "pattern" in params:
+        if not isinstance(params.get("full", False), bool):
+            p.append(f"{where}.full: must be true or false, got {params['full']!r}")
         if not isinstance(params["pattern"], str):
             p.append(f"{where}.pattern: must be a string, got {params['pattern']!r}")
         else:
@@ -101,7 +111,8 @@ def _check_builtin(fn: Callable, params: dict, where: str) -> list[str]:
             except re.error as e:
                 p.append(f"{where}.pattern: not a valid regular expression ({e})")
     elif fn is length_penalty:
-        if "target" in params and (not isinstance(params["target"], int) or params["target"] < 0):
+        t = params.get("target", 0)
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
             p.append(f"{where}.target: must be an integer >= 0 (characters), got {params['target']!r}")
         scale = params.get("scale", 0.0)
         if not _is_number(scale) or not scale >= 0:
@@ -201,7 +212,7 @@ def build_rewards(specs: list[dict], where: str = "rewards") -> RewardSet:
         weight = spec.get("weight", 1.0)
         label = spec.get("label", name)
         params = {k: v for k, v in spec.items() if k not in _RESERVED}
-        if not _is_number(weight) or not math.isfinite(weight):
+        if not _is_finite(weight):
             problems.append(f"{at}.weight: must be a finite number, got {weight!r}")
         if not isinstance(label, str) or not label:
             problems.append(f"{at}.label: must be a non-empty string, got {label!r}")
@@ -222,7 +233,7 @@ def build_rewards(specs: list[dict], where: str = "rewards") -> RewardSet:
         except ValueError:
             pass  # no introspectable signature (a C function); trust it
         problems += _check_builtin(fn, params, at)
-        if _is_number(weight):
+        if _is_finite(weight):
             rewards.append(Reward(label, fn, float(weight), params))
     if not problems and all(r.weight == 0 for r in rewards):
         problems.append(f"{where}: every weight is 0, so every completion's reward is 0 and GRPO learns nothing; "
