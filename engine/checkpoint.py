@@ -551,7 +551,8 @@ def check_resume(recipe: Recipe, ds: dict, world_size: int, rank: int = 0) -> tu
         return [f"--resume: checkpoint {where} has no readable {STATE_FILE} ({type(e).__name__}); {fix}"], False
     wrong = state_problem(saved)
     if wrong:
-        return [f"--resume: checkpoint {where} has a {STATE_FILE} this engine did not write (it {wrong}); {fix}"], False
+        return [f"--resume: checkpoint {where} has an {STATE_FILE} this engine did not write (it {wrong}); "
+                f"{fix}"], False
     problems = []
     ours = dataclasses.asdict(recipe.model)
     theirs = saved.get("recipe", {}).get("model", {})
@@ -589,14 +590,14 @@ def check_resume(recipe: Recipe, ds: dict, world_size: int, rank: int = 0) -> tu
     elif saved.get("world_size", world_size) != world_size or saved.get("autoep_size", ep_size(ds)) != ep_size(ds):
         universal = True
         if "pipeline" in ds:
-            problems.append(f"--resume: checkpoint {where} was saved on {saved.get('world_size', world_size)} ranks with autoep_size "
-                            f"{saved.get('autoep_size')}; pipeline mode resumes only on the same world size and "
-                            f"autoep_size ({world_size} and {ep_size(ds)} now)")
+            problems.append(f"--resume: checkpoint {where} was saved on {saved.get('world_size', world_size)} ranks "
+                            f"with autoep_size {saved.get('autoep_size')}; pipeline mode resumes only on the same world "
+                            f"size and autoep_size ({world_size} and {ep_size(ds)} now)")
     if resume_position(saved, micro, world_size) is None:
         problems.append(f"--resume: checkpoint {where} consumed {saved['position']} micro-batches of "
-                        f"{saved.get('micro_batch', micro)} x {saved.get('world_size', world_size)} ranks, which is not a whole number of "
-                        f"micro-batches of {micro} x {world_size} ranks; pick train_micro_batch_size_per_gpu so "
-                        f"that they divide evenly")
+                        f"{saved.get('micro_batch', micro)} x {saved.get('world_size', world_size)} ranks, which is "
+                        f"not a whole number of micro-batches of {micro} x {world_size} ranks; pick "
+                        "train_micro_batch_size_per_gpu so that they divide evenly")
     return problems, universal
 
 

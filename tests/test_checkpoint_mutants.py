@@ -770,16 +770,16 @@ def resealed(tag: Path) -> None:
 def test_an_engine_state_of_the_wrong_shape_is_refused_by_its_line(tmp_path, text, why):
     """engine_state.json that parses but is not what save writes (hand-edited, another tool's): --resume's preflight
     refuses it in one line naming what is wrong, the single-field readers (saved_state, recorded_batch) see no
-    state where a field has the wrong type, and the exporter refuses it too; none raises. [fails if: any of these raises (the traceback this
-    replaced: AttributeError, KeyError, TypeError), or a wrong field passes]"""
+    state where a field has the wrong type, and the exporter refuses it too; none raises. [fails if: any of these
+    raises (the traceback this replaced: AttributeError, KeyError, TypeError), or a wrong field passes]"""
     from engine.export.read import read_state
 
     tag = saved(tmp_path, 10)
     (tag / checkpoint.STATE_FILE).write_text(text)
     resealed(tag)  # consistent files: only the content is wrong
     problems, universal = check_resume(recipe(tmp_path), DS, 1)
-    assert problems == [f"--resume: checkpoint {tag} has a {checkpoint.STATE_FILE} this engine did not write "
-                        f"({why}); restore it, or start a fresh run_dir"] and not universal
+    assert problems == [f"--resume: checkpoint {tag} has an {checkpoint.STATE_FILE} this engine did not "
+                        f"write ({why}); restore it, or start a fresh run_dir"] and not universal
     if "has no" not in why:  # a missing field is for check_resume to report; the single-field readers go on
         assert saved_state(tmp_path) is None and recorded_batch(tmp_path) is None
     with pytest.raises(ExportError, match=f"not one this engine wrote \\({re.escape(why)}\\)"):
