@@ -320,6 +320,10 @@ JSON_TYPES = {dict: "an object", list: "an array", str: "a string", int: "an int
               bool: "a boolean", type(None): "null"}
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON's true is no count
+
+
 def state_problem(saved, complete: bool = True) -> str | None:
     """What is wrong with the shape of a parsed engine_state.json, or None. complete: also every field a resume
     needs is there (check_resume's test; the readers of single fields take what is there)."""
@@ -330,7 +334,7 @@ def state_problem(saved, complete: bool = True) -> str | None:
         return f"has no {' or '.join(missing)}"
     for k, kind in STATE_FIELDS.items():
         v = saved.get(k)
-        if k in saved and (not isinstance(v, kind) or isinstance(v, bool)):
+        if k in saved and not (_is_int(v) if kind is int else isinstance(v, kind)):
             return f"has {k} {json.dumps(v)}, not {JSON_TYPES[kind if isinstance(kind, type) else kind[0]]}"
         if kind is int and k in saved and v < (1 if k in POSITIVE else 0):
             return f"has {k} {v}, below {1 if k in POSITIVE else 0}"
@@ -359,14 +363,13 @@ def recorded_batch(run_dir: str | Path) -> dict | None:
     saved = saved_state(run_dir)
     if saved is None:
         return None
-    ok = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1  # noqa: E731
-    found = {k: saved[k] for k in ("micro_batch", "grad_accum") if ok(saved.get(k))}
+    found = {k: saved[k] for k in ("micro_batch", "grad_accum") if k in saved}  # state_problem: integers >= 1
     if "grad_accum" not in found and "micro_batch" in found:
         try:
             seq = saved["recipe"]["data"]["seq_len"]
             dp = saved["world_size"] // max(1, saved.get("pipeline_stages", 0) or 1)
             per_step = found["micro_batch"] * dp * seq
-            if ok(saved["step"]) and saved["tokens"] % (saved["step"] * per_step) == 0:
+            if saved["step"] >= 1 and saved["tokens"] % (saved["step"] * per_step) == 0:
                 found["grad_accum"] = saved["tokens"] // (saved["step"] * per_step)
         except (KeyError, TypeError, ZeroDivisionError):
             pass
@@ -609,10 +612,9 @@ def damage(folder: Path, verify_crc: bool) -> str | None:
             files = json.loads(mf.read_text())["files"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             return f"{MANIFEST} is unreadable: {type(e).__name__}"
-        ok = lambda v, kind: isinstance(v, kind) and not isinstance(v, bool)  # noqa: E731
         if not isinstance(files, dict) or not all(
-                isinstance(i, dict) and ok(i.get("size"), int) and isinstance(i.get("zip", False), bool)
-                and ok(i.get("crc32", 0), int) for i in files.values()):
+                isinstance(i, dict) and _is_int(i.get("size")) and isinstance(i.get("zip", False), bool)
+                and _is_int(i.get("crc32", 0)) for i in files.values()):
             return f"{MANIFEST} is not one this engine wrote (files: {{name: {{size, zip, crc32}}}} expected)"
     else:  # saved before manifests existed: check what is there
         files = {str(p.relative_to(folder)): {"size": p.stat().st_size, "zip": p.suffix == ".pt"}
