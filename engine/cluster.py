@@ -44,7 +44,7 @@ LOCAL_NAMES = {"localhost", "127.0.0.1", "::1"}
 # with these prefixes (NCCL only where the accelerator is CUDA), then .deepspeed_env from ~ and from ./.
 EXPORT_PREFIXES = ("MLFLOW", "PYTHON", "MV2", "UCX", "NCCL")
 DS_ENV_NAME = os.environ.get("DS_ENV_FILE", ".deepspeed_env")
-HOST_RE = re.compile(r"^(\S+)\s+slots=(\S+)\s*(#.*)?$")
+HOST_RE = re.compile(r"^(\S+)\s+slots=([^\s#]+)\s*(#.*)?$")  # "slots=8#note": 8, then a comment, as the runner reads it
 
 
 class InputError(ValueError):
@@ -73,6 +73,10 @@ def parse_hostfile(path: str | Path) -> list[Host]:
     for n, raw in enumerate(read_text(path).splitlines(), 1):
         line = raw.strip()
         if not line or line.startswith("#"):
+            continue
+        if "\ufeff" in line:  # a byte-order mark: the runner would keep it in the host name
+            problems.append(f"line {n}: starts with a byte-order mark (U+FEFF), which DeepSpeed's runner reads as "
+                            "part of the host name; save the file as UTF-8 without BOM")
             continue
         m = HOST_RE.match(line)
         if not m:
@@ -110,6 +114,8 @@ def read_text(path: Path) -> str:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise InputError(f"{path}: not UTF-8 text (byte {e.start}); write it as plain text") from None
+    except OSError as e:
+        raise InputError(f"{path}: cannot read it ({e.strerror or e}); check its permissions") from None
 
 
 def read_deepspeed_env(path: Path) -> dict[str, str]:
@@ -123,6 +129,10 @@ def read_deepspeed_env(path: Path) -> dict[str, str]:
         if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key.strip()):
             raise InputError(f"{path} line {n}: {line.strip()!r} is not KEY=VALUE; DeepSpeed's runner reads "
                              "every line as KEY=VALUE (no comments, no blank lines)")
+        if '"' in value:  # the runner wraps such a value in double quotes, unescaped
+            raise InputError(f"{path} line {n}: {key.strip()}'s value holds a double quote, which DeepSpeed's runner "
+                             "does not escape (the nodes' command breaks or gets another value); write the value "
+                             "without quotes: the runner quotes it")
         out[key.strip()] = value.strip()
     return out
 
@@ -507,7 +517,9 @@ def read_inputs(args: argparse.Namespace) -> tuple[list[Host], dict[str, str]]:
     if args.master_port is not None and not 0 < args.master_port < 65536:
         raise InputError(f"--master_port {args.master_port} is not a port number")
     hosts = parse_hostfile(args.hostfile)
-    return hosts, remote_exports(Path.cwd())
+    exports = remote_exports(Path.cwd())  # read on one host too, so a bad file is found before the nodes need it
+    # one host: the runner starts the ranks here with this shell's environment, no exports and no .deepspeed_env
+    return hosts, exports if len(hosts) > 1 else {}
 
 
 def missing_launcher_tool(hosts: list[Host]) -> str | None:
@@ -531,6 +543,9 @@ def master_address(args: argparse.Namespace, hosts: list[Host]) -> tuple[str, in
 def launch_notes(args: argparse.Namespace, hosts: list[Host], master_addr: str) -> list[str]:
     """What the launcher will do that the user may not expect: local ranks, the master address, ssh keepalives."""
     single, notes = len(hosts) == 1, []
+    if single and deepspeed_env_files(Path.cwd()):
+        notes.append("one host: deepspeed runs the ranks with this shell's environment and does not read "
+                     f"{', '.join(map(str, deepspeed_env_files(Path.cwd())))} (it sends that to nodes over pdsh)")
     if single and hosts[0].name not in LOCAL_NAMES:
         notes.append(f"one host: deepspeed starts every rank on this machine, without SSH, whatever the "
                      f"hostfile calls it ({hosts[0].name})")
