@@ -139,7 +139,8 @@ class TrainConfig:
     (zero_optimization.leaf_module "auto", as shipped) each layer's forward in the engine, AutoEP eager, DeepSpeed's
     hooks around the layer (engine/pretrain.py compile_layers); under other ZeRO-3 files on CUDA only the layers'
     parameter-free functions (RMSNorm's arithmetic, silu(gate) * up, rotary: engine/model.py compile_parameter_free);
-    off otherwise. true: as auto where the layers can be compiled whole (ZeRO-3 leaves without AutoEP included),
+    off otherwise. Where auto compiles whole layers it leaves linear-attention mixers (Qwen3.5's Gated DeltaNet) eager
+    (engine/pretrain.py eager_linear_attention). true: as auto where the layers can be compiled whole, the mixers too (ZeRO-3 leaves without AutoEP included),
     refused elsewhere. false: never. bin/grpo.py: auto compiles the parameter-free functions of the policy and of its
     one-GPU reference copy (no-grad passes included) under every ZeRO stage on CUDA and nothing else (layers eager;
     DeepSpeed's whole-layer compile of ZeRO 1-2 pretraining does not serve GRPO's changing lengths); true compiles the

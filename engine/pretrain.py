@@ -202,17 +202,19 @@ def build(recipe: Recipe, ds: dict, tok, world: World):
         print0(f"fp8: {len(names)} linear layers{what} in FP8 ({'FP8 GEMMs' if can_run_fp8(kind) else 'emulated'}); "
                f"{rest} in the model's dtype")
     if wants_compile(recipe, ds):
+        mixers = eager_linear_attention(engine.module) if recipe.train.compile == "auto" else 0
+        eager = f"; the linear attention of {mixers} layers eager (train.compile: true compiles it)" if mixers else ""
         if zero3_compiles_layers(ds):
             done = compile_layers(engine.module)
             shared = sum(name.endswith(".shared_experts") for name in done)
             extra = f" and the shared experts of {shared} MoE blocks" if shared else ""
             print0(f"compile: each decoder layer's forward ({len(done) - shared} layers{extra}; AutoEP and ZeRO-3's "
-                   "hooks eager)")
+                   f"hooks eager{eager})")
         else:
             engine.compile()
             done = compile_outside_autoep(engine.module)
             print0(f"compile: the decoder layers around their AutoEP blocks (DeepSpeed; the blocks eager), and "
-                   f"{len(done)} more modules (dense layers, shared experts)")
+                   f"{len(done)} more modules (dense layers, shared experts){eager}")
     return engine, data
 
 
@@ -222,6 +224,23 @@ def wants_compile(recipe: Recipe, ds: dict) -> bool:
     from deepspeed.accelerator import get_accelerator
 
     return compiles_layers(recipe.train.compile, ds, get_accelerator().device_name())
+
+
+def eager_linear_attention(model: torch.nn.Module) -> int:
+    """Keep each linear-attention token mixer (Qwen3.5's Gated DeltaNet: a layer's `linear_attn`) out of the compiled
+    layer; returns how many. Without the flash-linear-attention kernels transformers runs its chunked recurrence in
+    PyTorch, a Python loop over the sequence's 64-token chunks that dynamo unrolls: the compile grows with the
+    sequence (one layer on a CPU: 60 s at 128 tokens, 219 s at 2,048), and under ZeRO-3 each layer is traced on its
+    own (compile_layers). On an H100 the tiny Qwen3.5 recipe's 20 steps took 130 s compiled against 39 s eager, at no
+    better a speed (docs/benchmarks.md). train.compile "auto" leaves these mixers eager, the rest of the layer
+    compiled; true compiles them too."""
+    n = 0
+    for layer in model.get_decoder().layers:
+        mixer = getattr(layer, "linear_attn", None)
+        if mixer is not None and not getattr(mixer.forward, "_torchdynamo_disable", False):
+            mixer.forward = torch.compiler.disable(mixer.forward)
+            n += 1
+    return n
 
 
 def compile_layers(model: torch.nn.Module, dynamic: bool | None = False) -> list[str]:

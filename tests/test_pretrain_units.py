@@ -501,3 +501,39 @@ def test_auto_compile_on_cuda_is_whole_layers_wherever_they_can_be(monkeypatch, 
     assert pretrain.wants_compile(load_recipe(None, {"train.compile": True}), ds)
     assert not pretrain.wants_compile(load_recipe(None, {"train.compile": False}), ds)
     assert parallel.compiles_parameter_free(ds, r.train, lengths_vary=True)
+
+
+def test_auto_compile_leaves_linear_attention_eager_so_the_compile_does_not_grow_with_the_sequence():
+    """Qwen3.5's Gated DeltaNet runs a Python loop over 64-token chunks that dynamo unrolls: the traced graph grows
+    with the sequence. eager_linear_attention keeps those mixers out of the compiled layer (3 of the 4 layers of the
+    tiny recipe's layout; the full-attention layer's untouched), so what is traced is the same at 128 and 256
+    tokens, and the output does not change. [fails if: the mixers are left to the compiler, or a full-attention layer
+    or an already-eager mixer is counted]"""
+    from torch._dynamo.testing import CompileCounter
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3_5MoeTextConfig(hidden_size=32, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+                               head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
+                               linear_value_head_dim=16, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                               num_experts=4, num_experts_per_tok=2, vocab_size=64)
+    model = Qwen3_5MoeForCausalLM(cfg).eval()
+
+    def traced_ops(seq):  # the first (linear-attention) layer, compiled as the engine compiles a layer's forward
+        torch._dynamo.reset()
+        counter, layer = CompileCounter(), model.model.layers[0]
+        hidden = torch.randn(1, seq, 32)
+        with torch.no_grad():
+            out = torch.compile(layer.forward, backend=counter, dynamic=False)(hidden, position_embeddings=None)
+            assert torch.allclose(out, layer(hidden, position_embeddings=None), atol=1e-6)
+        return counter.op_count
+
+    grows = traced_ops(192) - traced_ops(128)
+    assert grows > 0  # the unrolled chunk loop
+    assert pretrain.eager_linear_attention(model) == 3
+    assert [getattr(layer.linear_attn.forward, "_torchdynamo_disable", False) for layer in model.model.layers[:3]] \
+        == [True] * 3 and not hasattr(model.model.layers[3], "linear_attn")
+    assert traced_ops(192) == traced_ops(128)
+    assert pretrain.eager_linear_attention(model) == 0
+    torch._dynamo.reset()
