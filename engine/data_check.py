@@ -36,6 +36,7 @@ class Sample:
     problems: list = field(default_factory=list)
     columns: dict = field(default_factory=dict)  # file -> the keys of its rows (JSON files)
     rowless: list = field(default_factory=list)  # JSON files read whole that hold no row, only blank lines
+    documents: int = 0  # files whose head gave no text: one JSON document longer than the sample (counted when loaded)
 
 
 def check_corpus(d: DataConfig, tok, batch: int | None, data_parallel: int) -> list[str]:
@@ -107,6 +108,8 @@ def check_tokens(d: DataConfig, tok, s: Sample, batch: int) -> list[str]:
         return []
     if s.complete:
         what = f"{tokens} tokens"
+    elif s.documents and not s.bytes_read:  # every head read was one big JSON document: counted when loaded
+        return []
     else:  # scaled from the sample: tokens per byte of file read, times all the bytes
         tokens = int(tokens / max(s.bytes_read, 1) * s.total_bytes)
         if tokens >= need:
@@ -178,13 +181,12 @@ def read_rows(f: str, fields: dict, limit: int, s: Sample) -> str | None:
     try:
         text = codecs.getincrementaldecoder("utf-8-sig")().decode(raw, final=whole)  # a leading BOM is no text
     except UnicodeDecodeError as e:
-        return (f"not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); convert it to UTF-8 "
+        at = e.start + (len(codecs.BOM_UTF8) if raw.startswith(codecs.BOM_UTF8) else 0)
+        return (f"not UTF-8 text (byte 0x{raw[at]:02x} at offset {at}); convert it to UTF-8 "
                 "(iconv -t UTF-8) or point at the text file")
     if "\x00" in text:
         return f"holds NUL bytes at offset {text.index(chr(0))}: a binary file, not text"
     lines = text.splitlines() if f.endswith(".txt") else text.split("\n")
-    if not whole and len(lines) > 1:
-        lines = lines[:-1]  # the last line may be cut
     s.bytes_read += len(raw)
     if not whole and len(lines) == 1 and not f.endswith(".txt"):  # one row longer than the sample: not checkable
         s.texts.append(text)  # from its head, but its bytes still count towards the token estimate
@@ -196,8 +198,11 @@ def read_rows(f: str, fields: dict, limit: int, s: Sample) -> str | None:
     # rows count from 1, as datasets reads them (blank lines are no rows): row N is the N-th non-blank line
     numbered = [(f"row {i}", _parse(line)) for i, line in enumerate((ln for ln in lines if ln.strip()), 1)]
     if f.endswith(".json") and numbered and not isinstance(numbered[0][1], dict):  # not JSON lines: one document
-        if not whole:
-            return None  # one big JSON document is not checkable from its head; checked when loaded
+        if not whole:  # one big JSON document is not checkable from its head; checked when loaded
+            s.bytes_read -= len(raw)  # and no part of the token estimate: it gave no text
+            s.total_bytes -= os.path.getsize(f)
+            s.documents += 1
+            return None
         doc = _parse(text)
         if isinstance(doc, ValueError):
             return f"is neither JSON lines nor one JSON document ({doc})"
@@ -329,7 +334,8 @@ def check_hub(d: DataConfig) -> list[str]:
         from .curriculum import missing_column
 
         p.append(missing_column(d.curriculum.score_column, d.path, list(info.features)))
-    if info.splits and d.split not in info.splits:
+    names = {part.split("[")[0].strip() for part in d.split.split("+")}  # datasets' "train[:10%]+validation"
+    if info.splits and not names <= set(info.splits):
         p.append(f"data.split {d.split!r} is not a split of {d.path} (splits: {list(info.splits)}); set data.split")
     return p
 
