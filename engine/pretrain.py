@@ -203,7 +203,7 @@ def build(recipe: Recipe, ds: dict, tok, world: World):
                f"{rest} in the model's dtype")
     if wants_compile(recipe, ds):
         mixers = eager_linear_attention(engine.module) if recipe.train.compile == "auto" else 0
-        eager = f"; the linear attention of {mixers} layers eager (train.compile: true compiles it)" if mixers else ""
+        eager = f"; the linear attention of {mixers} layers eager: train.compile true compiles it" if mixers else ""
         if zero3_compiles_layers(ds):
             done = compile_layers(engine.module)
             shared = sum(name.endswith(".shared_experts") for name in done)
