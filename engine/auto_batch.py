@@ -172,8 +172,14 @@ def _bytes_per_param(cfg: dict) -> tuple[int, int, float]:
     optimizer = master + moments
     off = _offload(cfg, "offload_optimizer")
     if off is not None:
-        optimizer *= 1.0 - float(off.get("ratio", 1.0))  # the part left on the device
+        optimizer *= 1.0 - _ratio(off)  # the part left on the device
     return weights, grads, optimizer
+
+
+def _ratio(off: dict) -> float:
+    """offload_optimizer.ratio as a number (1, all offloaded, where it is not one: ds_config refuses it in one line)."""
+    r = off.get("ratio", 1.0)
+    return float(r) if isinstance(r, (int, float)) and not isinstance(r, bool) and 0 <= r <= 1 else 1.0
 
 
 def _offload(cfg: dict, key: str) -> dict | None:
@@ -293,7 +299,7 @@ def predict_peak_gib(cfg: dict, recipe: Recipe, dp: int, micro: int, device: str
 def fixed_gib(cfg: dict, accum) -> float:
     """The fixed overhead beyond the states (FIXED_GIB), less under ZeRO-2 with one micro-batch per step on the device
     (ZERO2_ONE_MICRO_FIXED_GIB): `accum` 1 (an int; "auto" counts as more than one)."""
-    stage = min(_stage(cfg), 3)
+    stage = min(max(_stage(cfg), 0), 3)  # a stage out of range is ds_config's line
     weights, grads, _ = _bytes_per_param(cfg)
     fp32_buffer = grads > weights  # fp32 gradient accumulation of a half model: DeepSpeed's own partition buffer
     if (stage == 2 and accum == 1 and not isinstance(accum, bool) and _offload(cfg, "offload_optimizer") is None
@@ -304,7 +310,9 @@ def fixed_gib(cfg: dict, accum) -> float:
 
 def _stage(cfg: dict) -> int:
     s = (cfg.get("zero_optimization") or {}).get("stage", 0)
-    return s if isinstance(s, int) else 0
+    if isinstance(s, float) and s.is_integer():  # "stage": 3.0 runs as ZeRO-3 in DeepSpeed
+        s = int(s)
+    return s if isinstance(s, int) and not isinstance(s, bool) else 0
 
 
 def _ep(cfg: dict) -> int:
@@ -328,7 +336,7 @@ def host_offload_gib(cfg: dict, recipe: Recipe, dp: int) -> float:
     if not any(on_cpu):
         return 0.0
     total = param_counts(recipe.model)[0]
-    b = HOST_OPTIMIZER_BYTES * float(opt.get("ratio", 1.0)) * total / dp if on_cpu[0] else 0.0
+    b = HOST_OPTIMIZER_BYTES * _ratio(opt) * total / dp if on_cpu[0] else 0.0
     if on_cpu[1]:
         b += _bytes_per_param(cfg)[0] * total / dp
     return b / GIB
@@ -352,10 +360,14 @@ def host_memory_problem(cfg: dict, recipe: Recipe, dp: int, ranks_per_node: int)
     need = per_rank * ranks_per_node
     if have is None or need <= have:
         return None
+    optimizer = _offload(cfg, "offload_optimizer") is not None
+    what = ("fp32 master weights, gradients and Adam moments" if optimizer else "the weights") + (
+        " and the weights" if optimizer and _offload(cfg, "offload_param") is not None else "")
+    fix = "lower offload_optimizer.ratio, use more nodes, or zero2_bf16_states.json" if optimizer else (
+        "use more nodes, or leave the parameters on the GPU (no offload_param)")
     return (f"zero_optimization offload: the {ranks_per_node} rank{'s' if ranks_per_node > 1 else ''} of this node "
-            f"would keep {need:.1f} GiB in host memory ({per_rank:.1f} GiB each: fp32 master weights, gradients and "
-            f"Adam moments of its share of {param_counts(recipe.model)[0] / 1e9:.2f}B parameters) but "
-            f"{have:.1f} GiB are available; lower offload_optimizer.ratio, use more nodes, or zero2_bf16_states.json")
+            f"would keep {need:.1f} GiB in host memory ({per_rank:.1f} GiB each: {what} of its share of "
+            f"{param_counts(recipe.model)[0] / 1e9:.2f}B parameters) but {have:.1f} GiB are available; {fix}")
 
 
 def device_memory_gib(device: str, fraction: float | None = None) -> float | None:
@@ -505,11 +517,16 @@ class AutoBatch:
             return m, f"predicted peak {peaks[m]:.1f} GiB of {where}{nxt}", None
         states = states_gib(cfg, recipe, dp)
         smallest = cands[-1]
+        fix = ("use more GPUs (ZeRO-3 splits the states), ds_configs/zero2_bf16_states.json (bf16 master weights and "
+               "Adam moments on the GPU: the fastest on one GPU) or zero3_offload.json (fp32 Adam, half of it in CPU "
+               "memory)")
+        if states < usable and recipe.train.activation_checkpointing is False:  # the activations overflow, not the states
+            fix = "set train.activation_checkpointing to auto or true (the states fit; the activations do not), " \
+                  "or lower data.seq_len"
         return 1, "", (f'train_micro_batch_size_per_gpu "auto": nothing fits this device: predicted peak '
                        f"{peaks[smallest]:.1f} GiB at micro-batch {smallest} (weights, gradients and optimizer state "
                        f"alone {states:.1f} GiB per rank on {dp} data-parallel rank{'s' if dp > 1 else ''}"
-                       f"{self.beside()}) against {where}; use more GPUs (ZeRO-3 splits the states), "
-                       f"ds_configs/zero2_bf16_states.json (bf16 master weights and Adam moments on the GPU: the fastest on one GPU) or zero3_offload.json (fp32 Adam, half of it in CPU memory), or write a number to try anyway")
+                       f"{self.beside()}) against {where}; {fix}, or write a number to try anyway")
 
     def beside(self) -> str:
         return ""
