@@ -45,7 +45,7 @@ PIPELINE_ARCHS = ("deepseek_v3", "qwen3_moe")  # engine/pipeline.py's stages, te
 
 # Sections the engine reads as objects (a `null` or a list there is refused before anything reads it).
 SECTIONS = ("zero_optimization", "optimizer", "bf16", "fp16", "expert_parallel", "pipeline", "compile", "checkpoint",
-            "activation_checkpointing", "tensor_parallel")
+            "activation_checkpointing", "tensor_parallel", "data_types")
 SUBSECTIONS = {"zero_optimization": ("offload_optimizer", "offload_param"), "optimizer": ("params",)}
 # Top-level keys of a DeepSpeed config (with deepspeed.runtime.constants' own): a key that is none of them but close to
 # one is a misspelling DeepSpeed would silently ignore (a misspelled zero_optimization trains with ZeRO off).

@@ -521,3 +521,11 @@ def test_a_train_batch_size_written_as_a_string_shows_its_quotes():
     does not read "(12) != ... = 12". [fails if: the line formats the value without its quotes]"""
     raw = {**ds("zero2", 2, 3), "train_batch_size": "12"}
     assert "train_batch_size ('12')" in refused(raw, world=2)
+
+
+def test_a_data_types_section_that_is_not_an_object_is_one_line_on_cuda():
+    """"data_types": "fp32" (meant as grad_accum_dtype fp32) with "auto" batch values on CUDA: one ConfigError line
+    naming data_types, before the memory model reads data_types.grad_accum_dtype. [fails if: data_types is read as an
+    object unchecked (an AttributeError traceback from auto_batch)]"""
+    raw = {**ds("zero2"), "data_types": "fp32"}
+    assert "data_types: must be an object ({...}), not \"fp32\"" in refused(raw, world=1, device="cuda")
