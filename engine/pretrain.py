@@ -188,6 +188,7 @@ def build(recipe: Recipe, ds: dict, tok, world: World):
         from deepspeed.accelerator import get_accelerator
 
         device = None if zero_stage(ds) == 3 else get_accelerator().current_device_name()  # ZeRO-3: zero.Init places it
+        plain_linear_for_compiled_layers(recipe, ds)  # read by zero.Init, so before the build
         model = build_model(recipe.model, ds, tok, dtype=model_dtype(ds), device=device)
         kind = get_accelerator().device_name()
         if recipe.train.fp8:
@@ -226,6 +227,14 @@ def wants_compile(recipe: Recipe, ds: dict) -> bool:
     return compiles_layers(recipe.train.compile, ds, get_accelerator().device_name())
 
 
+def plain_linear_for_compiled_layers(recipe: Recipe, ds: dict) -> None:
+    """Where pretraining compiles each decoder layer under ZeRO-3, zero.Init leaves torch's linear as it is
+    (zero_optimization.memory_efficient_linear false) unless the DS config sets it: DeepSpeed's own linear made
+    dynamo trace every layer on its own (compile_layers)."""
+    if zero3_compiles_layers(ds) and wants_compile(recipe, ds):
+        ds["zero_optimization"].setdefault("memory_efficient_linear", False)
+
+
 def eager_linear_attention(model: torch.nn.Module) -> int:
     """Keep each linear-attention token mixer (Qwen3.5's Gated DeltaNet: a layer's `linear_attn`) out of the compiled
     layer; returns how many. Without the flash-linear-attention kernels transformers runs its chunked recurrence in
@@ -253,10 +262,12 @@ def compile_layers(model: torch.nn.Module, dynamic: bool | None = False) -> list
     around it and see the gathered weights only. The kernels round where the eager code does (Inductor's
     emulate_precision_casts): GRPO's reference and no-grad passes (layers eager) then agree with the compiled policy
     pass to the bit on the same weights (without it GRPO's KL at step 1, policy and reference equal, doubled on one
-    H100: docs/benchmarks.md). Under ZeRO-3, DeepSpeed's linear (its memory_efficient_linear) reads each weight's
-    ds_id, which torch 2.11's dynamo guards on: one trace per layer, not one for all, so the recompile limit is raised
-    to hold them (at its default of 8 the later layers of a 12-layer model ran eager, seen on that H100). Returns what
-    was compiled."""
+    H100: docs/benchmarks.md). Under ZeRO-3, DeepSpeed's linear (its memory_efficient_linear, an autograd function
+    whose backward reads each weight's ZeRO-3 attributes) makes torch 2.11's dynamo guard on each weight's ds_id: one
+    trace per layer, not one for all, so the recompile limit is raised to hold them (at its default of 8 the later
+    layers of a 12-layer model ran eager, seen on that H100). Pretraining's build turns that linear off where it
+    compiles the layers under ZeRO-3, unless the DS config sets it (docs/benchmarks.md: a shorter first step at the
+    same peak memory, speed and losses). Returns what was compiled."""
     import types
 
     from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer

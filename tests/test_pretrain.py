@@ -269,6 +269,38 @@ def test_compiled_model_leaves_only_autoep_eager_and_matches_eager(tmp_path, cap
     assert abs(compiled - eager) < 1e-2, (compiled, eager)
 
 
+def test_zero3_compiled_layers_build_with_torchs_linear_and_match_eager(tmp_path, capsys, monkeypatch):
+    """train.compile: true under zero3.json (each decoder layer compiled in the engine): the model is built with
+    torch's own linear, not the one zero.Init patches in (pretrain.plain_linear_for_compiled_layers, filled in before
+    the build), and the compiled loss and gradients' effect equal the eager ones on the same batch. [fails if: the
+    setting is filled in after zero.Init has read the config (DeepSpeed's linear patched in), or the plain linear
+    breaks ZeRO-3's backward]"""
+    import torch
+    import torch.nn.functional as F
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as Init
+
+    from engine.data import load_tokenizer
+    from engine.parallel import init_distributed, world_from_env
+    from engine.pretrain import build
+
+    plain = getattr(Init, "linear_bk", F.linear)  # another test's zero.Init may have patched it: restored after
+    monkeypatch.setattr(F, "linear", plain)
+    r = load_recipe(None, {"train.compile": True, "model.num_layers": 3, "run_dir": str(tmp_path)})
+    ds = resolve_ds_config(read_ds_config(ZERO3), r, world_size=1, ranks_per_node=1, auto_batch=AutoBatch())
+    init_distributed()
+    engine, data = build(r, ds, load_tokenizer(r.data.tokenizer), world_from_env())
+    assert "compile: each decoder layer's forward (3 layers" in capsys.readouterr().out
+    assert F.linear is plain and ds["zero_optimization"]["memory_efficient_linear"] is False
+    ids = next(data.micro_batches(2, 0, 1))[1]
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)  # ZeRO-3 gathers each layer again for its backward: torch's linear needs no help
+    engine.step()
+    with torch.compiler.set_stance("force_eager"):
+        eager = engine(input_ids=ids, labels=ids).loss.item()
+    assert abs(engine(input_ids=ids, labels=ids).loss.item() - eager) < 1e-2
+    assert eager < loss.item()  # the step trained the model
+
+
 @pytest.mark.parametrize("value, on", [("auto", False), (True, True), (False, False)])
 def test_pretraining_checkpoints_activations_only_when_asked(tmp_path, value, on):
     """train.activation_checkpointing in pretraining: true checkpoints each decoder layer; the default "auto" is off

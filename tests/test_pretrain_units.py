@@ -537,3 +537,36 @@ def test_auto_compile_leaves_linear_attention_eager_so_the_compile_does_not_grow
     assert traced_ops(192) == traced_ops(128)
     assert pretrain.eager_linear_attention(model) == 0
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name, compile_, device, written, expect", [
+    ("zero3.json", "auto", "cuda", None, False),  # "auto" on CUDA compiles each layer: torch's own linear
+    ("zero3.json", True, "cpu", None, False),  # true compiles them anywhere
+    ("zero3.json", True, "cuda", True, True),  # a value in the file is kept
+    ("zero3.json", "auto", "cpu", None, None),  # nothing compiled on a CPU with "auto": DeepSpeed's default
+    ("zero3.json", False, "cuda", None, None),
+    ("zero3_offload.json", "auto", "cuda", None, False),  # the optimizer offloaded, the layers compiled still
+    ("zero2.json", True, "cuda", None, None),  # DeepSpeed's linear exists under ZeRO-3 only
+])
+def test_zero3_layer_compile_builds_with_torchs_linear_unless_the_file_says(monkeypatch, name, compile_, device,
+                                                                            written, expect):
+    """Where pretraining compiles each decoder layer under ZeRO-3, zero.Init is told to leave torch's linear alone
+    (memory_efficient_linear false): DeepSpeed's made dynamo trace every layer on its own (an H100: 22-49 s more at
+    the first step of deepseek_2b6). Elsewhere the DS config keeps DeepSpeed's default. [fails if: the value is not
+    filled in where the layers are compiled, is filled in where they are not, or overrides the file's]"""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from engine.auto_batch import AutoBatch
+    from engine.ds_config import read_ds_config, resolve_ds_config, zero3_compiles_layers
+
+    monkeypatch.setattr("deepspeed.accelerator.get_accelerator", lambda: SimpleNamespace(device_name=lambda: device))
+    r = load_recipe(None, {"train.compile": compile_})
+    raw = read_ds_config(Path(__file__).parents[1] / "ds_configs" / name)
+    if written is not None:
+        raw["zero_optimization"]["memory_efficient_linear"] = written
+    ds = resolve_ds_config(raw, r, world_size=1, ranks_per_node=1, auto_batch=AutoBatch(), device=device)
+    pretrain.plain_linear_for_compiled_layers(r, ds)
+    assert ds["zero_optimization"].get("memory_efficient_linear") is expect
+    if expect is False:
+        assert zero3_compiles_layers(ds)
