@@ -341,6 +341,24 @@ def state_problem(saved, complete: bool = True) -> str | None:
     for k in ("model", "data", "train"):
         if not isinstance(saved.get("recipe", {}).get(k, {}), dict):
             return f"has recipe.{k} {json.dumps(saved['recipe'][k])}, not an object"
+    return _curriculum_problem(saved["curriculum"]) if "curriculum" in saved else None
+
+
+def _curriculum_problem(c: dict) -> str | None:
+    """What is wrong with GRPO's curriculum statistics (engine/curriculum.py PromptCurriculum.state_dict): a count
+    of prompts and, per prompt, its decayed attempts and passes (finite, >= 0) and reward sum (finite)."""
+    import math
+
+    n = c.get("n_prompts")
+    if not _is_int(n) or n < 1:
+        return f"has curriculum.n_prompts {json.dumps(n)}, not a count of prompts"
+    for k in ("attempts", "passes", "reward_sum"):
+        v = c.get(k)
+        if not (isinstance(v, list) and len(v) == n and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v)):
+            return f"has curriculum.{k} that is not {n} finite numbers (one per prompt)"
+        if k != "reward_sum" and min(v) < 0:
+            return f"has curriculum.{k} below 0"
     return None
 
 

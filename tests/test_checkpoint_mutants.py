@@ -766,6 +766,18 @@ def resealed(tag: Path) -> None:
     ('{"step": 2, "position": 2, "micro_batch": true, "recipe": {}}', "it has micro_batch true, not an integer"),
     ('{"step": 2, "position": 2, "optimizer": 3, "recipe": {}}', "it has optimizer 3, not a string"),
     ('{"step": 2, "position": 2, "curriculum": [], "recipe": {}}', "it has curriculum [], not an object"),
+    ('{"step": 2, "position": 2, "curriculum": {"n_prompts": 0}, "recipe": {}}',
+     "it has curriculum.n_prompts 0, not a count of prompts"),
+    ('{"step": 2, "position": 2, "curriculum": {"n_prompts": 2, "attempts": [1, 2], "passes": [1], '
+     '"reward_sum": [0.5, 0]}, "recipe": {}}', "it has curriculum.passes that is not 2 finite numbers (one per prompt)"),
+    ('{"step": 2, "position": 2, "curriculum": {"n_prompts": 2, "attempts": [1, 2], "passes": [1, 0], '
+     '"reward_sum": [NaN, 0]}, "recipe": {}}',
+     "it has curriculum.reward_sum that is not 2 finite numbers (one per prompt)"),
+    ('{"step": 2, "position": 2, "curriculum": {"n_prompts": 2, "attempts": [1, "2"], "passes": [1, 0], '
+     '"reward_sum": [0.5, 0]}, "recipe": {}}',
+     "it has curriculum.attempts that is not 2 finite numbers (one per prompt)"),
+    ('{"step": 2, "position": 2, "curriculum": {"n_prompts": 2, "attempts": [1, 2], "passes": [-1, 0], '
+     '"reward_sum": [-0.5, 0]}, "recipe": {}}', "it has curriculum.passes below 0"),
 ])
 def test_an_engine_state_of_the_wrong_shape_is_refused_by_its_line(tmp_path, text, why):
     """engine_state.json that parses but is not what save writes (hand-edited, another tool's): --resume's preflight
@@ -788,10 +800,18 @@ def test_an_engine_state_of_the_wrong_shape_is_refused_by_its_line(tmp_path, tex
 
 def test_the_state_as_save_writes_it_passes_the_shape_check(tmp_path):
     """Every field save and GRPO's save write, with their real types (optimizer null, init_source a path, a
-    curriculum), passes; so does a state without the optional fields. [fails if: the check refuses a real state]"""
+    curriculum's statistics as PromptCurriculum.state_dict writes them), passes; so does a state without the optional
+    fields. [fails if: the check refuses a real state]"""
+    from engine.config import CurriculumConfig
+    from engine.curriculum import PromptCurriculum
+
     full = {"step": 4, "position": 8, "tokens": 4096, "micro_batch": 2, "world_size": 2, "grad_accum": 1,
             "autoep_size": 1, "pipeline_stages": 0, "zero_stage": 3, "optimizer": None, "init_source": "/m",
-            "prompts_done": 8, "curriculum": {"n_prompts": 4}, "recipe": {"model": {}, "data": {}, "train": {}}}
+            "prompts_done": 8, "recipe": {"model": {}, "data": {}, "train": {}}}
+    cur = PromptCurriculum(CurriculumConfig(enabled=True), 3, 2, 0)
+    cur.update([0, 0, 2, 2], [1.0, 0.0, -0.5, 2.0])
+    cur.update([0, 0], [1.0, 1.0])  # decayed counts: floats
+    full["curriculum"] = json.loads(json.dumps(cur.state_dict()))
     assert checkpoint.state_problem(full) is None
     assert checkpoint.state_problem({"step": 4, "position": 8, "recipe": {}}) is None
 
