@@ -59,6 +59,9 @@ def fp8_problems(mode, ds: dict, device: str) -> list[str]:
         if cap < MIN_CAPABILITY:
             p.append(f"train.fp8: this GPU (compute capability {cap[0]}.{cap[1]}) has no FP8 tensor cores (needs "
                      f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}+: H100, H200, L40S, RTX 4090); set train.fp8: false")
+    elif device != "cpu":  # the CPU emulates, for the tests; elsewhere emulation would only be a slower bf16 run
+        p.append(f"train.fp8: its FP8 GEMMs run on NVIDIA GPUs (compute capability {MIN_CAPABILITY[0]}."
+                 f"{MIN_CAPABILITY[1]}+) only; on {device} they would be emulated, slower than bf16; set train.fp8: false")
     return p
 
 
