@@ -1,6 +1,7 @@
 """Model FLOPs per token and MFU: one count for bin/pretrain.py's metrics, bin/bench.py and the benchmark scripts.
 
-FLOPs per token = 6 x active non-embedding parameters (the output layer included; routed experts at top-k / experts)
+FLOPs per token = 6 x active non-embedding parameters (the output layer included, tied to the input embedding or
+not; routed experts at top-k / experts)
 + 3 x softmax-attention layers x 2 x seq x heads x (qk head dim + v head dim) for attention: the full seq x seq
 square, no causal discount (PaLM's convention); a linear-attention layer (Qwen3.5-MoE's Gated DeltaNet) counts its
 projections only. Recomputation (activation checkpointing) is not counted: this is model FLOPs, the MFU convention.
@@ -26,6 +27,7 @@ def model_flops_per_token(engine, cfg, seq_len: int, ep: int) -> tuple[float, fl
     """(FLOPs per token, total parameters, active parameters), counted from the live engine's parameters (ZeRO-3's
     ds_numel; AutoEP's w1/w2/w3 hold E/ep experts per rank, transformers' fused expert tensors all E)."""
     total = active = 0.0
+    embedding = {}  # id -> numel of the input embedding's parameters
     E, k = getattr(cfg, "n_routed_experts", None) or cfg.num_experts, cfg.num_experts_per_tok
     for name, p in engine.module.named_parameters():
         n = float(getattr(p, "ds_numel", p.numel()))
@@ -37,6 +39,11 @@ def model_flops_per_token(engine, cfg, seq_len: int, ep: int) -> tuple[float, fl
         total += n
         if "embed_tokens" not in name:
             active += n
+        else:
+            embedding[id(p)] = n
+    # An output layer tied to the input embedding is listed once, as the embedding; its matmul runs all the same.
+    out = getattr(getattr(engine.module, "get_output_embeddings", lambda: None)(), "weight", None)
+    active += embedding.get(id(out), 0.0)
     total, active = pipeline.sum_over_stages(engine, total, active)  # a pipeline rank holds one stage
     heads = cfg.num_attention_heads
     qk = getattr(cfg, "qk_head_dim", None) or getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
