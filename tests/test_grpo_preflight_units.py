@@ -416,7 +416,8 @@ def test_a_resume_with_the_curriculum_checks_its_statistics_against_the_prompts(
     preflight refuses, naming both counts (whatever else check_resume finds in the fake checkpoint). [fails if:
     preflight does not ask curriculum.resume_problems]"""
     prompts = jsonl(tmp_path / "p.jsonl", [{"prompt": f"{i} + 1 =", "answer": str(i + 1)} for i in range(3)])
-    fake_checkpoint(tmp_path / "run", {"step": 2, "position": 0, "tokens": 0, "curriculum": {"n_prompts": 5},
+    stats = {"n_prompts": 5, "attempts": [1.0] * 5, "passes": [0.0] * 5, "reward_sum": [0.5] * 5}
+    fake_checkpoint(tmp_path / "run", {"step": 2, "position": 0, "tokens": 0, "curriculum": stats,
                                        "recipe": {"model": {"init_from": None}}})
     line = refusal(tmp_path, "--resume", grpo={"curriculum": {"enabled": True}}, data={"path": str(prompts)})
     assert ("--resume: the checkpoint's grpo.curriculum statistics are for 5 prompts but data.path has 3; resume "
