@@ -79,7 +79,10 @@ def exit_now(code) -> NoReturn:
     off rank 0 while it printed the one-line error (test_resume.py's damaged checkpoint through the launcher). So
     does a run under a profiler or tracer (`python -m cProfile`, coverage), which writes its results at exit.
     """
-    if code or sys.getprofile() is not None or sys.gettrace() is not None:
+    # sys.exit ends with 0 only for None and an integer 0 (False too); any other value, falsy ones such as '' or 0.0
+    # included, is printed and ends with 1
+    if not (code is None or isinstance(code, int) and code == 0) or sys.getprofile() is not None \
+            or sys.gettrace() is not None:
         sys.exit(code)
     # The interpreter's own first step: threading's exit hooks, then every non-daemon thread joined. A thread pool
     # (concurrent.futures; inductor compiles in one) ends its idle workers only from its hook, so joining them
