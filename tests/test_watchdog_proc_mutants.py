@@ -107,6 +107,21 @@ def wait_until(what, seconds: float):
     return what()
 
 
+
+def as_rank_1_of_2(monkeypatch, store_class):
+    """This process as rank 1 of 2, the store `store_class`, no atexit hook, the excepthook restored after."""
+    import torch.distributed as dist
+
+    import engine.watchdog as watchdog
+
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "TCPStore", store_class)
+    monkeypatch.setattr(watchdog.atexit, "register", lambda f: None)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.7")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+
 def test_two_healthy_ranks_beat_on_their_own_counters_then_a_silent_one_is_named(world):
     """A world of two, timeout 1.5 s and a beat every 0.25 s (a sixth, as 30 s and 5 s in use), each rank's watchdog
     its own client of a real store. For 3 s (2 x the timeout) nobody is taken for dead, and each rank's own counter
@@ -169,13 +184,7 @@ def test_the_watchdog_is_a_client_of_the_env_store_with_the_timeout_and_creates_
             self.waits.append((list(keys), timeout))
             waited.set()
 
-    monkeypatch.setattr(dist, "get_rank", lambda: 1)
-    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
-    monkeypatch.setattr(dist, "TCPStore", Store)
-    monkeypatch.setattr(watchdog.atexit, "register", lambda f: None)
-    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
-    monkeypatch.setenv("MASTER_ADDR", "10.0.0.7")
-    monkeypatch.setenv("MASTER_PORT", "29500")
+    as_rank_1_of_2(monkeypatch, Store)
     wd = watchdog.PeerWatchdog(12.0, interval=60.0)
     assert waited.wait(10)
     hb, done = [f"{watchdog.KEY_PREFIX}/hb/{r}" for r in (0, 1)], f"{watchdog.KEY_PREFIX}/done/1"
@@ -227,13 +236,7 @@ def test_close_waits_for_a_beat_in_flight_before_the_goodbye(monkeypatch):
             release.wait(30)
             return super().multi_get(keys)
 
-    monkeypatch.setattr(dist, "get_rank", lambda: 1)
-    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
-    monkeypatch.setattr(dist, "TCPStore", Store)
-    monkeypatch.setattr(watchdog.atexit, "register", lambda f: None)
-    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
-    monkeypatch.setenv("MASTER_ADDR", "10.0.0.7")
-    monkeypatch.setenv("MASTER_PORT", "29500")
+    as_rank_1_of_2(monkeypatch, Store)
     wd = watchdog.PeerWatchdog(20.0, interval=0.05)
     try:
         assert entered.wait(10)
