@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import random
 import shutil
@@ -347,8 +348,6 @@ def state_problem(saved, complete: bool = True) -> str | None:
 def _curriculum_problem(c: dict) -> str | None:
     """What is wrong with GRPO's curriculum statistics (engine/curriculum.py PromptCurriculum.state_dict): a count
     of prompts and, per prompt, its decayed attempts and passes (finite, >= 0) and reward sum (finite)."""
-    import math
-
     n = c.get("n_prompts")
     if not _is_int(n) or n < 1:
         return f"has curriculum.n_prompts {json.dumps(n)}, not a count of prompts"

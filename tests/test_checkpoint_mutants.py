@@ -769,7 +769,8 @@ def resealed(tag: Path) -> None:
     ('{"step": 2, "position": 2, "curriculum": {"n_prompts": 0}, "recipe": {}}',
      "it has curriculum.n_prompts 0, not a count of prompts"),
     ('{"step": 2, "position": 2, "curriculum": {"n_prompts": 2, "attempts": [1, 2], "passes": [1], '
-     '"reward_sum": [0.5, 0]}, "recipe": {}}', "it has curriculum.passes that is not 2 finite numbers (one per prompt)"),
+     '"reward_sum": [0.5, 0]}, "recipe": {}}',
+     "it has curriculum.passes that is not 2 finite numbers (one per prompt)"),
     ('{"step": 2, "position": 2, "curriculum": {"n_prompts": 2, "attempts": [1, 2], "passes": [1, 0], '
      '"reward_sum": [NaN, 0]}, "recipe": {}}',
      "it has curriculum.reward_sum that is not 2 finite numbers (one per prompt)"),

@@ -91,15 +91,22 @@ def cut(values: torch.Tensor, count: int, i: int) -> tuple[torch.Tensor, int]:
     return flat[i * part:(i + 1) * part], part
 
 
-def zero3_checkpoint(root: Path, cfg, world=2, ep=2, owned=None, seed=0, extra_model=None, extra_optim=None):
-    """A ZeRO-3 + AutoEP checkpoint of `world` ranks, expert-parallel size `ep` (rank r: ep rank r % ep, expert-data
-    partition r // ep), expert placement `owned` (ep rank -> global experts); returns (tag folder, HF state dict)."""
+def checkpoint_parts(root: Path, cfg, files: int, ep: int, owned, seed: int):
+    """What both checkpoint builders start from: the HF state dict (`want`), its engine-named dense tensors, buffers
+    and expert stacks, the expert count, the placement (`owned`, or contiguous blocks per expert-parallel rank), the
+    tag folder for `files` ranks, and the dense parameters (buffers left out)."""
     want = random_state(cfg, seed)
     dense, buffers, stacks = engine_names(want)
     num = want[f"{PREFIX}.gate_up_proj"].shape[0]
     owned = owned or {k: list(range(k * num // ep, (k + 1) * num // ep)) for k in range(ep)}
-    tag = tag_folder(root, cfg, world)
     params = {n: t for n, t in dense.items() if n not in buffers}
+    return want, dense, buffers, stacks, num, owned, tag_folder(root, cfg, files), params
+
+
+def zero3_checkpoint(root: Path, cfg, world=2, ep=2, owned=None, seed=0, extra_model=None, extra_optim=None):
+    """A ZeRO-3 + AutoEP checkpoint of `world` ranks, expert-parallel size `ep` (rank r: ep rank r % ep, expert-data
+    partition r // ep), expert placement `owned` (ep rank -> global experts); returns (tag folder, HF state dict)."""
+    want, dense, buffers, stacks, num, owned, tag, params = checkpoint_parts(root, cfg, world, ep, owned, seed)
     for r in range(world):
         ep_rank, edp = r % ep, r // ep
         local = {f"{PREFIX}.{w}": stacks[w][owned[ep_rank]] for w in ("w1", "w2", "w3")}
@@ -128,12 +135,7 @@ def zero12_checkpoint(root: Path, cfg, dp=4, ep=2, before=False, owned=None, see
 
     from engine.export.zero12 import expert_coords
 
-    want = random_state(cfg, seed)
-    dense, buffers, stacks = engine_names(want)
-    num = want[f"{PREFIX}.gate_up_proj"].shape[0]
-    owned = owned or {k: list(range(k * num // ep, (k + 1) * num // ep)) for k in range(ep)}
-    tag = tag_folder(root, cfg, dp)
-    params = {n: t for n, t in dense.items() if n not in buffers}
+    want, dense, buffers, stacks, num, owned, tag, params = checkpoint_parts(root, cfg, dp, ep, owned, seed)
     locals_ = {k: {f"{PREFIX}.{w}": stacks[w][owned[k]] for w in ("w1", "w2", "w3")} for k in range(ep)}
     layer = {"module_path": MOE, "expert_key_prefix": PREFIX, "num_experts": num, "ep_size": ep, "moe_layer_id": 0,
              "expert_placement": {"ranks": [{"rank": k, "experts": v} for k, v in owned.items()]}}
@@ -365,7 +367,8 @@ def test_find_tag_dir_without_latest(tmp_path):
     ck = ckpt_tree(tmp_path, latest=None)
     with pytest.raises(ExportError) as e:
         find_tag_dir(ck, None)
-    assert str(e.value) == f"checkpoint dir {ck}: no `latest` file; pass --tag (available: step_00000003, step_00000005)"
+    assert str(e.value) == (f"checkpoint dir {ck}: no `latest` file; pass --tag (available: step_00000003, "
+                            "step_00000005)")
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(ExportError) as e:
@@ -386,7 +389,8 @@ def test_find_tag_dir_of_a_missing_folder(tmp_path):
     """[kills: the 'no such directory' check dropped (iterdir's FileNotFoundError instead)]"""
     with pytest.raises(ExportError) as e:
         find_tag_dir(tmp_path / "nope", None)
-    assert str(e.value) == f"checkpoint dir {tmp_path / 'nope'}: no such directory (give RUN_DIR or RUN_DIR/checkpoints)"
+    assert str(e.value) == (f"checkpoint dir {tmp_path / 'nope'}: no such directory (give RUN_DIR or "
+                            "RUN_DIR/checkpoints)")
 
 
 # --------------------------------------------------------------------------------------------------- read.py

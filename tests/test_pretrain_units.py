@@ -551,9 +551,9 @@ def test_auto_compile_leaves_linear_attention_eager_so_the_compile_does_not_grow
 def test_zero3_layer_compile_builds_with_torchs_linear_unless_the_file_says(monkeypatch, name, compile_, device,
                                                                             written, expect):
     """Where pretraining compiles each decoder layer under ZeRO-3, zero.Init is told to leave torch's linear alone
-    (memory_efficient_linear false): DeepSpeed's made dynamo trace every layer on its own (an H100: 22-49 s more at
-    the first step of deepseek_2b6). Elsewhere the DS config keeps DeepSpeed's default. [fails if: the value is not
-    filled in where the layers are compiled, is filled in where they are not, or overrides the file's]"""
+    (memory_efficient_linear false): DeepSpeed's made dynamo trace every layer on its own (docs/benchmarks.md).
+    Elsewhere the DS config keeps DeepSpeed's default. [fails if: the value is not filled in where the layers are
+    compiled, is filled in where they are not, or overrides the file's]"""
     from pathlib import Path
     from types import SimpleNamespace
 

@@ -233,21 +233,27 @@ def read_until_eof(pipe, timeout: float) -> bytes:
     return out
 
 
-def start_writer(pid: int, wait_s: float) -> subprocess.Popen:
+def start_writer(pid: int, wait_s: float, pidfd: bool = True) -> subprocess.Popen:
+    """AFTER_LAUNCHER as print_error starts it; pidfd False: on a Python whose os has no pidfd_open (kernel < 5.3,
+    Python < 3.9), where it watches the launcher's /proc entry instead."""
     from engine.proc import AFTER_LAUNCHER
 
-    return subprocess.Popen([sys.executable, "-I", "-S", "-c", AFTER_LAUNCHER, str(pid), "error: bad value",
-                             str(wait_s)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    code = AFTER_LAUNCHER if pidfd else (
+        f"import os\ndel os.pidfd_open\nexec(compile({AFTER_LAUNCHER!r}, '<after_launcher>', 'exec'))")
+    return subprocess.Popen([sys.executable, "-I", "-S", "-c", code, str(pid), "error: bad value", str(wait_s)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
-def test_the_detached_writer_writes_the_line_to_stderr_once_the_launcher_has_ended():
+@pytest.mark.parametrize("pidfd", [True, False])
+def test_the_detached_writer_writes_the_line_to_stderr_once_the_launcher_has_ended(pidfd):
     """AFTER_LAUNCHER (as print_error starts it): its starter returns at once (the writer is a forked child), nothing
-    is written while the launcher runs, the line and its newline go to stderr as soon as the launcher ends.
+    is written while the launcher runs, the line and its newline go to stderr as soon as the launcher ends (well
+    before the 120 s limit), with os.pidfd_open and without it (the /proc entry watched instead).
     [fails if: the starter waits for the launcher, the line is written before the launcher ends, goes to stdout, or
-    lacks its newline]"""
+    lacks its newline; without pidfd_open: the AttributeError not caught, the /proc entry not looked at]"""
     launcher = subprocess.Popen(["sleep", "60"])
     try:
-        writer = start_writer(launcher.pid, 120)
+        writer = start_writer(launcher.pid, 120, pidfd)
         assert writer.wait(timeout=10) == 0
         assert read_until_eof(writer.stderr, 0.5) == b""
         launcher.kill()
@@ -259,12 +265,14 @@ def test_the_detached_writer_writes_the_line_to_stderr_once_the_launcher_has_end
         launcher.wait()
 
 
-def test_the_detached_writer_waits_for_the_launcher_no_longer_than_its_limit():
+@pytest.mark.parametrize("pidfd", [True, False])
+def test_the_detached_writer_waits_for_the_launcher_no_longer_than_its_limit(pidfd):
     """A launcher that does not end: the line is written after the limit (0.5 s here; LAUNCHER_WAIT_S in use), the
-    launcher still running. [fails if: the wait has no limit]"""
+    launcher still running, with os.pidfd_open and without it. [fails if: the wait has no limit; the /proc loop
+    without the deadline]"""
     launcher = subprocess.Popen(["sleep", "60"])
     try:
-        writer = start_writer(launcher.pid, 0.5)
+        writer = start_writer(launcher.pid, 0.5, pidfd)
         assert writer.wait(timeout=10) == 0
         assert read_until_eof(writer.stderr, 20) == b"error: bad value\n"
         assert launcher.poll() is None

@@ -11,9 +11,9 @@ tests/test_watchdog_metrics_units.py:
   one; several silent ranks named together; the beat helper a daemon;
 - start_peer_watchdog: $MOE_PEER_TIMEOUT read when no timeout is given, no watchdog without MASTER_ADDR, one a process;
 - print_error's writer arguments (its 120 s limit, its 30 s start-up limit and a start that times out), launcher_pid
-  on an argument that merely contains the launcher's module name, AFTER_LAUNCHER without pidfd (kernel < 5.3) and its
-  limit honoured, exit_now on a code that is falsy yet not 0 for sys.exit (the bug this file found: exit_now('') and
-  exit_now(0.0) ended with 0 where sys.exit ends with 1).
+  on an argument that merely contains the launcher's module name, AFTER_LAUNCHER's limit read in seconds (without
+  pidfd, kernel < 5.3: tests/test_proc.py's writer tests run both ways), exit_now on a code that is falsy yet not 0
+  for sys.exit (the bug this file found: exit_now('') and exit_now(0.0) ended with 0 where sys.exit ends with 1).
 
 The watchdog's _die (os._exit(1)) is replaced by a recorder in the real-store tests, so nothing here ends pytest;
 their timeouts are 1-1.5 s and their bounds several times that. Expectations are literal values. The bracket at the end
@@ -125,11 +125,11 @@ def as_rank_1_of_2(monkeypatch, store_class):
 def test_two_healthy_ranks_beat_on_their_own_counters_then_a_silent_one_is_named(world):
     """A world of two, timeout 1.5 s and a beat every 0.25 s (a sixth, as 30 s and 5 s in use), each rank's watchdog
     its own client of a real store. For 3 s (2 x the timeout) nobody is taken for dead, and each rank's own counter
-    has moved at least 5 times (12 expected; a beat every 1 s makes 3); the watchdog threads are daemons named peer-watchdog, and each rank registered its close()
-    for the interpreter's exit. Then rank 1's watchdog stops without a done mark (the rank is gone): rank 0 names it
-    well within 8 s. [kills: the beat bumping rank 0's counter (or none), a
-    beat result dropped, the loop waiting 4 x the interval, a beat counted only past one increment, the start-up
-    counter or done mark not created, a non-daemon thread, no atexit hook]"""
+    has moved at least 5 times (12 expected; a beat every 1 s makes 3); the watchdog threads are daemons named
+    peer-watchdog, and each rank registered its close() for the interpreter's exit. Then rank 1's watchdog stops
+    without a done mark (the rank is gone): rank 0 names it well within 8 s. [kills: the beat bumping rank 0's counter
+    (or none), a beat result dropped, the loop waiting 4 x the interval, a beat counted only past one increment, the
+    start-up counter or done mark not created, a non-daemon thread, no atexit hook]"""
     w = world(2)
     r0, r1 = w.start(0, 1.5, 0.25), w.start(1, 1.5, 0.25)
     time.sleep(3.0)
@@ -370,46 +370,6 @@ def test_launcher_pid_needs_the_module_as_a_whole_argument():
                        cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60)
     pid, ppid = p.stdout.split()
     assert pid == "None" and ppid != str(os.getpid()), p.stdout + p.stderr
-
-
-def start_writer_without_pidfd(pid: int, wait_s: float) -> subprocess.Popen:
-    """AFTER_LAUNCHER as print_error starts it, on a Python whose os has no pidfd_open (kernel < 5.3, Python < 3.9)."""
-    from engine.proc import AFTER_LAUNCHER
-
-    code = f"import os\ndel os.pidfd_open\nexec(compile({AFTER_LAUNCHER!r}, '<after_launcher>', 'exec'))"
-    return subprocess.Popen([sys.executable, "-I", "-S", "-c", code, str(pid), "error: bad value", str(wait_s)],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-
-def test_without_pidfd_the_writer_waits_for_the_launcher_by_its_proc_entry():
-    """No os.pidfd_open (AttributeError): the writer looks for the launcher's /proc entry instead; nothing is written
-    while it runs, the line as soon as it has ended (well before the 120 s limit).
-    [kills: AttributeError not caught, the /proc entry not looked at]"""
-    launcher = subprocess.Popen(["sleep", "60"])
-    try:
-        writer = start_writer_without_pidfd(launcher.pid, 120)
-        assert writer.wait(timeout=10) == 0
-        assert read_until_eof(writer.stderr, 0.5) == b""
-        launcher.kill()
-        launcher.wait()
-        assert read_until_eof(writer.stderr, 20) == b"error: bad value\n"
-    finally:
-        launcher.kill()
-        launcher.wait()
-
-
-def test_without_pidfd_the_writer_still_stops_waiting_at_its_limit():
-    """No os.pidfd_open, a launcher that does not end: the line comes after the limit (0.5 s), the launcher still
-    running. [kills: the /proc loop without the deadline]"""
-    launcher = subprocess.Popen(["sleep", "60"])
-    try:
-        writer = start_writer_without_pidfd(launcher.pid, 0.5)
-        assert writer.wait(timeout=10) == 0
-        assert read_until_eof(writer.stderr, 20) == b"error: bad value\n"
-        assert launcher.poll() is None
-    finally:
-        launcher.kill()
-        launcher.wait()
 
 
 def test_the_writer_s_limit_is_its_argument_in_seconds():
