@@ -31,7 +31,7 @@ from .grpo_math import GRPOLossConfig, group_advantages, keep_mask, kl_k3, polic
 from .metrics import DeviceClock, Metrics, print0
 from .model import build_model, compile_parameter_free, make_hf_config
 from .pretrain import (check_ranks_agree, compile_layers, forget_zero3_for_transformers, is_out_of_memory,
-                       memory_stats, out_of_memory, report_error, start_ranks)
+                       memory_stats, out_of_memory, plain_linear_for_compiled_layers, report_error, start_ranks)
 from .parallel import World, build_engine, compiles_parameter_free, device_kind, model_dtype, world_from_env
 from .rewards import build_rewards
 from .routing import Router, agreement, has_moe
@@ -925,6 +925,7 @@ def setup(recipe: Recipe, ds: dict, tok, rewards, prompts, evals, world: World) 
     # experts are then its slice of the same model (under ZeRO-1/2 DeepSpeed broadcasts experts only within an
     # expert's data-parallel group; ZeRO-3's zero.Init broadcasts every weight from rank 0).
     torch.manual_seed(recipe.train.seed)
+    plain_linear_for_compiled_layers(ds, recipe.train.compile is True)  # read by zero.Init (the reference's too)
     model = build_model(recipe.model, ds, tok, dtype=model_dtype(ds), device=_build_device(ds))
     no_dropout(model)
     if recipe.train.activation_checkpointing:  # as in pretraining; a replayed forward's recompute replays too

@@ -188,7 +188,7 @@ def build(recipe: Recipe, ds: dict, tok, world: World):
         from deepspeed.accelerator import get_accelerator
 
         device = None if zero_stage(ds) == 3 else get_accelerator().current_device_name()  # ZeRO-3: zero.Init places it
-        plain_linear_for_compiled_layers(recipe, ds)  # read by zero.Init, so before the build
+        plain_linear_for_compiled_layers(ds, wants_compile(recipe, ds))  # read by zero.Init, so before the build
         model = build_model(recipe.model, ds, tok, dtype=model_dtype(ds), device=device)
         kind = get_accelerator().device_name()
         if recipe.train.fp8:
@@ -227,11 +227,11 @@ def wants_compile(recipe: Recipe, ds: dict) -> bool:
     return compiles_layers(recipe.train.compile, ds, get_accelerator().device_name())
 
 
-def plain_linear_for_compiled_layers(recipe: Recipe, ds: dict) -> None:
-    """Where pretraining compiles each decoder layer under ZeRO-3, zero.Init leaves torch's linear as it is
-    (zero_optimization.memory_efficient_linear false) unless the DS config sets it: DeepSpeed's own linear made
-    dynamo trace every layer on its own (compile_layers)."""
-    if zero3_compiles_layers(ds) and wants_compile(recipe, ds):
+def plain_linear_for_compiled_layers(ds: dict, compiled: bool) -> None:
+    """Where each decoder layer is compiled under ZeRO-3 (`compiled`: pretraining's train.compile true or "auto" on a
+    GPU, GRPO's true), zero.Init leaves torch's linear as it is (zero_optimization.memory_efficient_linear false)
+    unless the DS config sets it: DeepSpeed's own linear made dynamo trace every layer on its own (compile_layers)."""
+    if compiled and zero3_compiles_layers(ds):
         ds["zero_optimization"].setdefault("memory_efficient_linear", False)
 
 

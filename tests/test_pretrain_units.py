@@ -566,7 +566,7 @@ def test_zero3_layer_compile_builds_with_torchs_linear_unless_the_file_says(monk
     if written is not None:
         raw["zero_optimization"]["memory_efficient_linear"] = written
     ds = resolve_ds_config(raw, r, world_size=1, ranks_per_node=1, auto_batch=AutoBatch(), device=device)
-    pretrain.plain_linear_for_compiled_layers(r, ds)
+    pretrain.plain_linear_for_compiled_layers(ds, pretrain.wants_compile(r, ds))
     assert ds["zero_optimization"].get("memory_efficient_linear") is expect
     if expect is False:
         assert zero3_compiles_layers(ds)

@@ -166,6 +166,9 @@ def main() -> None:
         # the policy's decoder layers whose forward is compiled (train.compile: true: pretrain.compile_layers)
         info["compiled_layers"] = sum(hasattr(layer.forward, "_torchdynamo_orig_callable")
                                       for layer in policy.module.get_decoder().layers)
+        from deepspeed.runtime.zero.linear import zero3_linear_wrap  # zero.Init's linear (memory_efficient_linear)
+
+        info["deepspeed_linear"] = torch.nn.functional.linear is zero3_linear_wrap
         r = grpo.left_pad(TEXTS, tok, policy.device)
         seen["policy_before"], seen["ref_before"] = logits(policy, r), logits(ref, r)
         info["ref_vs_policy_before"] = diff(seen["ref_before"], seen["policy_before"])
