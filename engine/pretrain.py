@@ -230,9 +230,15 @@ def wants_compile(recipe: Recipe, ds: dict) -> bool:
 def plain_linear_for_compiled_layers(ds: dict, compiled: bool) -> None:
     """Where each decoder layer is compiled under ZeRO-3 (`compiled`: pretraining's train.compile true or "auto" on a
     GPU, GRPO's true), zero.Init leaves torch's linear as it is (zero_optimization.memory_efficient_linear false)
-    unless the DS config sets it: DeepSpeed's own linear made dynamo trace every layer on its own (compile_layers)."""
+    unless the DS config sets it: DeepSpeed's own linear made dynamo trace every layer on its own (compile_layers).
+    zero.Init only ever patches its linear in, for the whole process: where the value is false and an earlier build in
+    this process patched it (a rank that runs several jobs, as the test suite's rank pool), torch's comes back."""
     if compiled and zero3_compiles_layers(ds):
         ds["zero_optimization"].setdefault("memory_efficient_linear", False)
+    if zero_stage(ds) == 3 and (ds.get("zero_optimization") or {}).get("memory_efficient_linear") is False:
+        from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as Init
+
+        torch.nn.functional.linear = getattr(Init, "linear_bk", torch.nn.functional.linear)  # set by its first patch
 
 
 def eager_linear_attention(model: torch.nn.Module) -> int:

@@ -570,3 +570,32 @@ def test_zero3_layer_compile_builds_with_torchs_linear_unless_the_file_says(monk
     assert ds["zero_optimization"].get("memory_efficient_linear") is expect
     if expect is False:
         assert zero3_compiles_layers(ds)
+
+
+@pytest.mark.parametrize("written, plain", [(None, True), (False, True), (True, False)])
+def test_torchs_linear_comes_back_where_an_earlier_build_patched_deepspeeds_in(monkeypatch, written, plain):
+    """zero.Init patches DeepSpeed's linear into torch.nn.functional for the whole process and never takes it out
+    when a later config says memory_efficient_linear false: a rank that runs a second job (the suite's rank pool) built
+    its compiled layers with DeepSpeed's linear. The fill puts torch's back wherever the value ends up false (filled
+    or written), and leaves DeepSpeed's where the file asks for it. [fails if: the earlier patch is left in place under
+    a false value, or torch's is put back under a true one]"""
+    from pathlib import Path
+
+    import torch.nn.functional as F
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as Init
+
+    from engine.auto_batch import AutoBatch
+    from engine.ds_config import read_ds_config, resolve_ds_config
+
+    torchs = getattr(Init, "linear_bk", F.linear)  # another test's zero.Init may have patched it already
+    # what an earlier zero.Init with the default (true) did (Init._enable_mem_efficient_linear)
+    monkeypatch.setattr(Init, "linear_bk", torchs, raising=False)
+    monkeypatch.setattr(F, "linear", zero3_linear_wrap)
+    r = load_recipe(None, {"train.compile": True})
+    raw = read_ds_config(Path(__file__).parents[1] / "ds_configs" / "zero3.json")
+    if written is not None:
+        raw["zero_optimization"]["memory_efficient_linear"] = written
+    ds = resolve_ds_config(raw, r, world_size=1, ranks_per_node=1, auto_batch=AutoBatch(), device="cpu")
+    pretrain.plain_linear_for_compiled_layers(ds, True)
+    assert (F.linear is torchs) is plain and (F.linear is zero3_linear_wrap) is not plain
