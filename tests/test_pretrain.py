@@ -273,8 +273,9 @@ def test_zero3_compiled_layers_build_with_torchs_linear_and_match_eager(tmp_path
     """train.compile: true under zero3.json (each decoder layer compiled in the engine): the model is built with
     torch's own linear, not the one zero.Init patches in (pretrain.plain_linear_for_compiled_layers, filled in before
     the build), and the compiled loss and gradients' effect equal the eager ones on the same batch. [fails if: the
-    setting is filled in after zero.Init has read the config (DeepSpeed's linear patched in), or the plain linear
-    breaks ZeRO-3's backward]"""
+    setting is not filled in (DeepSpeed's linear patched in and left there), or the plain linear breaks ZeRO-3's
+    backward. Filled in after the build it passes: the fill then puts torch's linear back before the first forward,
+    which is the same model]"""
     import torch
     import torch.nn.functional as F
     from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as Init
