@@ -549,9 +549,9 @@ class GRPOAutoBatch(AutoBatch):
     """"auto" for bin/grpo.py. The rollout batch per GPU (`sequences`: prompts x completions) is the recipe's; the
     micro-batch is the largest candidate dividing it whose predicted peak fits, for training rows of `seq_len`
     tokens (the longest prompt + grpo.max_new_tokens) and with `extra_gib` beside the policy (the reference policy's
-    weights and the rollout decoder's copy and KV cache); the accumulation is sequences / micro-batch. By default GRPO
-    compiles no whole layer, so its activations follow the eager calibration (with train.compile: true, an
-    over-prediction)."""
+    weights and the rollout decoder's copy and KV cache); the accumulation is sequences / micro-batch. Its
+    activations follow the eager calibration: an over-prediction where the policy's layers are compiled (train.compile
+    true, or "auto" under ZeRO-3 with AutoEP: ds_config.grpo_compiles_layers)."""
     sequences: int = SEQUENCES_PER_STEP
     seq_len: int = 1
     extra_gib: float = 0.0

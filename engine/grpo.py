@@ -26,13 +26,14 @@ from .config import (ConfigError, GRPOConfig, Recipe, hf_tokenizer, hf_weights_p
 from .data import load_tokenizer, vocab_problem
 from .devprof import idle_report
 from .auto_batch import SEQUENCES_PER_STEP, GRPOAutoBatch, host_memory_problem, settle_checkpointing
-from .ds_config import BATCH_KEYS, read_ds_config, resolve_ds_config, whole_model_on_one_gpu, zero_stage
+from .ds_config import (BATCH_KEYS, grpo_compiles_layers, read_ds_config, resolve_ds_config, whole_model_on_one_gpu,
+                        zero_stage)
 from .grpo_math import GRPOLossConfig, group_advantages, keep_mask, kl_k3, policy_loss
 from .metrics import DeviceClock, Metrics, print0
 from .model import build_model, compile_parameter_free, make_hf_config
 from .pretrain import (check_ranks_agree, compile_layers, forget_zero3_for_transformers, is_out_of_memory,
                        memory_stats, out_of_memory, plain_linear_for_compiled_layers, report_error, start_ranks)
-from .parallel import World, build_engine, compiles_parameter_free, device_kind, model_dtype, world_from_env
+from .parallel import World, build_engine, device_kind, model_dtype, world_from_env
 from .rewards import build_rewards
 from .routing import Router, agreement, has_moe
 from .rollout import build_rollout, local_copy
@@ -500,13 +501,16 @@ def build_reference(policy, recipe: Recipe, ds: dict, tok, world_size: int):
 
 
 def reference_compiles(ds: dict, train) -> bool:
-    """Whether the reference copy's parameter-free functions are compiled: wherever the policy compiles anything,
-    its parameter-free functions ("auto") or, with train.compile: true, its whole decoder layers (pretrain.
-    compile_layers, which the copy does not take: not measured on it). Left eager beside a policy compiled by
-    layers, the copy's pass was slower (docs/benchmarks.md, GRPO against TRL with train.compile: true)."""
+    """Whether the reference copy's parameter-free functions are compiled: wherever the policy compiles anything on
+    CUDA outside pipeline mode, its parameter-free functions or its whole decoder layers (ds_config.
+    grpo_compiles_layers; pretrain.compile_layers, which the copy does not take: not measured on it). Left eager
+    beside a policy compiled by layers, the copy's pass was slower (docs/benchmarks.md, GRPO against TRL with
+    train.compile: true)."""
     if train is None or getattr(train, "compile", False) is False:
         return False
-    return compiles_parameter_free(ds, replace(train, compile="auto"), lengths_vary=True)
+    from deepspeed.accelerator import get_accelerator
+
+    return "pipeline" not in ds and get_accelerator().device_name() == "cuda"
 
 
 def reference_is_copy(ds: dict, world_size: int, device) -> bool:
@@ -925,7 +929,8 @@ def setup(recipe: Recipe, ds: dict, tok, rewards, prompts, evals, world: World) 
     # experts are then its slice of the same model (under ZeRO-1/2 DeepSpeed broadcasts experts only within an
     # expert's data-parallel group; ZeRO-3's zero.Init broadcasts every weight from rank 0).
     torch.manual_seed(recipe.train.seed)
-    plain_linear_for_compiled_layers(ds, recipe.train.compile is True)  # read by zero.Init (the reference's too)
+    layers = grpo_compiles_layers(recipe.train.compile, ds, device_kind())
+    plain_linear_for_compiled_layers(ds, layers)  # read by zero.Init (the reference's too)
     model = build_model(recipe.model, ds, tok, dtype=model_dtype(ds), device=_build_device(ds))
     no_dropout(model)
     if recipe.train.activation_checkpointing:  # as in pretraining; a replayed forward's recompute replays too
@@ -936,7 +941,7 @@ def setup(recipe: Recipe, ds: dict, tok, rewards, prompts, evals, world: World) 
     policy = build_engine(model, ds, schedule, lengths_vary=True)
     if world.rank:  # different samples on each rank (rank 0 draws on from the build's stream)
         torch.manual_seed(recipe.train.seed + world.rank)
-    if recipe.train.compile is True:  # not "auto": a little faster, a minute more at step 1 (docs/benchmarks.md)
+    if layers:  # true, or "auto" under ZeRO-3 with AutoEP and layer leaves on a GPU (ds_config.grpo_compiles_layers)
         done = compile_layers(policy.module, dynamic=None)
         print0(f"compile: the policy's decoder layers and shared experts ({len(done)} functions; AutoEP eager), any "
                "length")

@@ -306,20 +306,22 @@ def autoep_size_one_is_intended(ds_config: dict):
 def compiles_parameter_free(ds_config: dict, train, lengths_vary: bool = False) -> bool:
     """ZeRO-3 training on CUDA with train.compile not false: DeepSpeed compiles nothing around AutoEP there, so the
     parameter-free functions of the layers are compiled instead (model.compile_parameter_free; docs/benchmarks.md).
-    GRPO's policy (lengths_vary) takes them under every ZeRO stage with compile "auto": its lengths change every step,
-    which DeepSpeed's whole-layer compile of ZeRO 1-2 pretraining does not serve. Whole layers instead: pretraining
-    under ZeRO 1-2 (engine/pretrain.py), pretraining under ZeRO-3 with decoder-layer leaves (compile true, or "auto"
-    with AutoEP: ds_config.auto_compiles_layers) and GRPO's policy with compile true under any stage
-    (pretrain.compile_layers). Pipeline stages are left as they are."""
+    GRPO's policy (lengths_vary) takes them under every ZeRO stage with compile "auto" where it does not compile its
+    layers: its lengths change every step, which DeepSpeed's whole-layer compile of ZeRO 1-2 pretraining does not
+    serve. Whole layers instead: pretraining under ZeRO 1-2 (engine/pretrain.py), pretraining under ZeRO-3 with
+    decoder-layer leaves (compile true, or "auto" with AutoEP: ds_config.auto_compiles_layers) and GRPO's policy with
+    compile true under any stage or "auto" under ZeRO-3 with AutoEP and layer leaves (ds_config.grpo_compiles_layers;
+    pretrain.compile_layers). Pipeline stages are left as they are."""
     from deepspeed.accelerator import get_accelerator
 
-    from .ds_config import auto_compiles_layers, zero3_compiles_layers
+    from .ds_config import auto_compiles_layers, grpo_compiles_layers, zero3_compiles_layers
 
     stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
     compile_ = getattr(train, "compile", False)
-    if lengths_vary:  # GRPO's policy: true compiles its layers, "auto" the parameter-free functions
-        layers = compile_ is True
+    device = get_accelerator().device_name()
+    if lengths_vary:  # GRPO's policy
+        layers = grpo_compiles_layers(compile_, ds_config, device)
     else:
         layers = zero3_compiles_layers(ds_config) if compile_ is True else auto_compiles_layers(ds_config)
-    return (train is not None and getattr(train, "compile", False) is not False and (stage == 3 or lengths_vary)
-            and not layers and "pipeline" not in ds_config and get_accelerator().device_name() == "cuda")
+    return (train is not None and compile_ is not False and (stage == 3 or lengths_vary)
+            and not layers and "pipeline" not in ds_config and device == "cuda")

@@ -499,6 +499,63 @@ def test_grpo_reference_copy_compiles_wherever_the_policy_compiles(monkeypatch, 
     assert train.compile == compile_  # the recipe itself is left as it was
 
 
+GRPO_AUTO_COMPILE = {  # shipped file -> what GRPO's train.compile "auto" compiles on CUDA: the policy, its reference copy
+    "zero3_grpo.json": ("layers", "parameter-free"), "zero3.json": ("layers", "parameter-free"),
+    "zero2_grpo.json": ("parameter-free", "parameter-free"), "zero2.json": ("parameter-free", "parameter-free")}
+
+
+@pytest.mark.parametrize("name", list(GRPO_AUTO_COMPILE))
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_grpo_auto_compiles_the_policy_layers_under_zero3_with_autoep_on_a_gpu(monkeypatch, name, device):
+    """GRPO's setup with train.compile "auto", per shipped file: on CUDA under ZeRO-3 with AutoEP and decoder-layer
+    leaves the policy's layers are compiled whole (compile_layers, built with torch's linear) and not its parameter-
+    free functions; under ZeRO-2 the parameter-free functions only; the one-GPU reference copy takes its parameter-
+    free functions either way; a CPU run compiles nothing and keeps DeepSpeed's defaults. [fails if: setup keeps
+    compiling layers only for train.compile true, "auto" compiles layers under ZeRO-2 or on a CPU, the policy
+    compiles both, the fill of torch's linear does not follow the layers, or the copy stays eager beside compiled
+    layers]"""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from engine import grpo, parallel
+    from engine.auto_batch import AutoBatch
+    from engine.config import load_recipe
+    from engine.ds_config import read_ds_config, resolve_ds_config
+
+    monkeypatch.setattr("deepspeed.accelerator.get_accelerator", lambda: SimpleNamespace(
+        device_name=lambda: device, current_device_name=lambda: device))
+    monkeypatch.setattr(parallel.torch.version, "hip", None)
+    r = load_recipe(None, {"train.compile": "auto", "grpo.beta": 0.04, "grpo.rollout": "engine",
+                     "train.activation_checkpointing": False})
+    raw = read_ds_config(Path(__file__).parents[1] / "ds_configs" / name)
+    ds = resolve_ds_config(raw, r, world_size=1, ranks_per_node=1, auto_batch=AutoBatch(), device=device)
+    seen = {}
+
+    def engine(model, ds_, schedule, lengths_vary):
+        seen["parameter_free"] = parallel.compiles_parameter_free(ds_, schedule, lengths_vary)
+        seen["linear"] = ds_["zero_optimization"].get("memory_efficient_linear")
+        return SimpleNamespace(module="policy", device=device, train_micro_batch_size_per_gpu=lambda: 2,
+                               gradient_accumulation_steps=lambda: 1)
+
+    monkeypatch.setattr(grpo, "build_model", lambda *a, **k: torch.nn.Linear(1, 1))
+    monkeypatch.setattr(grpo, "no_dropout", lambda model: None)
+    monkeypatch.setattr(grpo, "build_engine", engine)
+    monkeypatch.setattr(grpo, "compile_layers", lambda module, dynamic: seen.setdefault("layers", []).append(module)
+                        or ["layers.0"])
+    monkeypatch.setattr(grpo, "reference_is_copy", lambda *a: True)
+    monkeypatch.setattr(grpo, "local_copy", lambda module, device, decode_experts: "copy")
+    monkeypatch.setattr(grpo, "compile_parameter_free", lambda model, lengths_vary: seen.setdefault("copy", model))
+    monkeypatch.setattr(grpo, "build_rollout", lambda *a, **k: None)
+    monkeypatch.setattr(grpo, "print0", lambda *a: None)
+    run = grpo.setup(r, ds, None, None, [{"n_tokens": 8}], [], SimpleNamespace(rank=0, size=1))
+    assert run.ref == "copy"
+    policy, copy = GRPO_AUTO_COMPILE[name] if device == "cuda" else ("none", "none")
+    assert seen.get("layers") == (["policy"] if policy == "layers" else None)
+    assert seen["parameter_free"] is (policy == "parameter-free")
+    assert seen["linear"] is (False if policy == "layers" else None)  # torch's linear: one trace per layer kind
+    assert seen.get("copy") == ("copy" if copy == "parameter-free" else None)
+
+
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.skipif(
     torch.__version__ < (2, 13), reason="torch 2.11's CPU Inductor rounds differently (seen on the GPU image); the "
     "pinned 2.13 and CUDA do not"))] + (["cuda"] if torch.cuda.is_available() else []))

@@ -145,7 +145,8 @@ AUTOEP = {"expert_parallel": {"enabled": True}}
     ({"zero_optimization": {"stage": 3, **LAYER_LEAVES}}, True, False, False),  # pretrain.compile_layers instead
     ({"zero_optimization": {"stage": 3, **LAYER_LEAVES}}, "auto", False, True),  # no AutoEP: no whole layers
     ({"zero_optimization": {"stage": 3, **LAYER_LEAVES}, **AUTOEP}, "auto", False, False),  # compile_layers instead
-    ({"zero_optimization": {"stage": 3, **LAYER_LEAVES}, **AUTOEP}, "auto", True, True),  # GRPO's policy: as before
+    ({"zero_optimization": {"stage": 3, **LAYER_LEAVES}, **AUTOEP}, "auto", True, False),  # GRPO: layers instead
+    ({"zero_optimization": {"stage": 3, **LAYER_LEAVES}}, "auto", True, True),  # GRPO, no AutoEP: no whole layers
     ({"zero_optimization": {"stage": 3}}, True, True, False),  # GRPO's policy with compile: true: whole layers
     ({"zero_optimization": {"stage": 3}}, "auto", True, True),
     ({"zero_optimization": {"stage": 2}}, "auto", True, True),  # GRPO's policy under ZeRO-2: lengths vary
@@ -156,8 +157,8 @@ AUTOEP = {"expert_parallel": {"enabled": True}}
 ])
 def test_parameter_free_compile_under_zero3_and_for_grpo_on_cuda(on_cuda, ds, compile_, lengths_vary, expect):
     """[fails if: another ZeRO stage, a pipeline, compile "auto", or GRPO's compile: true changes the answer; GRPO's
-    policy under ZeRO 1-2 with compile "auto" compiles nothing; pretraining's "auto" under ZeRO-3 with AutoEP and
-    layer leaves compiles the parameter-free functions instead of the layers]"""
+    policy under ZeRO 1-2 with compile "auto" compiles nothing; "auto" under ZeRO-3 with AutoEP and layer leaves
+    (pretraining's or GRPO's) compiles the parameter-free functions instead of the layers]"""
     assert parallel.compiles_parameter_free(ds, SimpleNamespace(compile=compile_), lengths_vary) is expect
 
 
