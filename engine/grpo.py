@@ -31,8 +31,9 @@ from .ds_config import (BATCH_KEYS, grpo_compiles_layers, read_ds_config, resolv
 from .grpo_math import GRPOLossConfig, group_advantages, keep_mask, kl_k3, policy_loss
 from .metrics import DeviceClock, Metrics, print0
 from .model import build_model, compile_parameter_free, make_hf_config
-from .pretrain import (check_ranks_agree, compile_layers, forget_zero3_for_transformers, is_out_of_memory,
-                       memory_stats, out_of_memory, plain_linear_for_compiled_layers, report_error, start_ranks)
+from .pretrain import (check_ranks_agree, compile_layers, eager_linear_attention, forget_zero3_for_transformers,
+                       is_out_of_memory, memory_stats, out_of_memory, plain_linear_for_compiled_layers, report_error,
+                       start_ranks)
 from .parallel import World, build_engine, device_kind, model_dtype, world_from_env
 from .rewards import build_rewards
 from .routing import Router, agreement, has_moe
@@ -929,7 +930,7 @@ def setup(recipe: Recipe, ds: dict, tok, rewards, prompts, evals, world: World) 
     # experts are then its slice of the same model (under ZeRO-1/2 DeepSpeed broadcasts experts only within an
     # expert's data-parallel group; ZeRO-3's zero.Init broadcasts every weight from rank 0).
     torch.manual_seed(recipe.train.seed)
-    layers = grpo_compiles_layers(recipe.train.compile, ds, device_kind())
+    layers = policy_compiles_layers(recipe, ds)
     plain_linear_for_compiled_layers(ds, layers)  # read by zero.Init (the reference's too)
     model = build_model(recipe.model, ds, tok, dtype=model_dtype(ds), device=_build_device(ds))
     no_dropout(model)
@@ -938,13 +939,15 @@ def setup(recipe: Recipe, ds: dict, tok, rewards, prompts, evals, world: World) 
     t = recipe.train  # one schedule step per optimizer step: `iterations` per GRPO step
     schedule = replace(t, max_steps=t.max_steps * g.iterations, warmup_steps=t.warmup_steps * g.iterations,
                        decay_steps=t.decay_steps and t.decay_steps * g.iterations)
-    policy = build_engine(model, ds, schedule, lengths_vary=True)
+    policy = build_engine(model, ds, schedule, lengths_vary=True, layers=layers)
     if world.rank:  # different samples on each rank (rank 0 draws on from the build's stream)
         torch.manual_seed(recipe.train.seed + world.rank)
-    if layers:  # true, or "auto" under ZeRO-3 with AutoEP and layer leaves on a GPU (ds_config.grpo_compiles_layers)
+    if layers:
+        mixers = eager_linear_attention(policy.module) if recipe.train.compile == "auto" else 0
         done = compile_layers(policy.module, dynamic=None)
-        print0(f"compile: the policy's decoder layers and shared experts ({len(done)} functions; AutoEP eager), any "
-               "length")
+        eager = f"; the linear attention of {mixers} layers eager: train.compile true compiles it" if mixers else ""
+        print0(f"compile: the policy's decoder layers and shared experts ({len(done)} functions; AutoEP eager{eager}), "
+               "any length")
     ref = build_reference(policy, recipe, ds, tok, world.size) if g.beta > 0 else None
     micro = policy.train_micro_batch_size_per_gpu()
     n_seq = micro * policy.gradient_accumulation_steps()
@@ -955,6 +958,15 @@ def setup(recipe: Recipe, ds: dict, tok, rewards, prompts, evals, world: World) 
                             record_routes=record, decode_attention=g.decode_attention)
     router = Router(policy.module) if record else None
     return Run(policy, ref, rollout, tok, rewards, g, loss_config(g), world, micro, n_seq, router=router)
+
+
+def policy_compiles_layers(recipe: Recipe, ds: dict) -> bool:
+    """Whether the policy's decoder layers are compiled whole (pretrain.compile_layers, one trace for any length):
+    train.compile true, or "auto" where ds_config.grpo_compiles_layers says so and the rollout decodes on its own
+    copy (grpo.rollout local). With grpo.rollout engine, generation runs through the policy's own layers a token at a
+    time, which compiled layers were not measured at: "auto" keeps to the parameter-free functions there."""
+    layers = grpo_compiles_layers(recipe.train.compile, ds, device_kind())
+    return layers and (recipe.train.compile is True or rollout_kind(recipe) == "local")
 
 
 def decoder_cache_len(rows: list[dict], max_new_tokens: int) -> int:

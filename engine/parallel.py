@@ -189,10 +189,12 @@ def lr_multiplier(train):
     return warmup_cosine(train.warmup_steps, train.decay_steps or train.max_steps, train.min_lr_ratio)
 
 
-def build_engine(model: torch.nn.Module, ds_config: dict, train=None, lengths_vary: bool = False):
+def build_engine(model: torch.nn.Module, ds_config: dict, train=None, lengths_vary: bool = False,
+                 layers: bool | None = None):
     """deepspeed.initialize with the recipe's LR schedule; `train` None builds an optimizer-free engine.
     lengths_vary: the batches' sequence length changes from step to step (GRPO's rollouts), so what is compiled is
-    compiled for any length at once (model.compile_parameter_free)."""
+    compiled for any length at once (model.compile_parameter_free). layers: whether the caller compiles the decoder
+    layers whole instead (GRPO's policy; None: compiles_parameter_free's rule)."""
     import deepspeed
 
     schedule = None
@@ -207,7 +209,7 @@ def build_engine(model: torch.nn.Module, ds_config: dict, train=None, lengths_va
         engine, *_ = deepspeed.initialize(model=model, config=ds_config, lr_scheduler=schedule, optimizer=optimizer,
                                           model_parameters=model.parameters() if train is not None else None)
     one_overflow_check(engine)
-    if compiles_parameter_free(ds_config, train, lengths_vary):
+    if compiles_parameter_free(ds_config, train, lengths_vary, layers):
         done = compile_parameter_free(engine.module, lengths_vary)
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"compile: the layers' parameter-free functions only: {', '.join(done)}", flush=True)
@@ -303,7 +305,7 @@ def autoep_size_one_is_intended(ds_config: dict):
             logger.removeFilter(keep)
 
 
-def compiles_parameter_free(ds_config: dict, train, lengths_vary: bool = False) -> bool:
+def compiles_parameter_free(ds_config: dict, train, lengths_vary: bool = False, layers: bool | None = None) -> bool:
     """ZeRO-3 training on CUDA with train.compile not false: DeepSpeed compiles nothing around AutoEP there, so the
     parameter-free functions of the layers are compiled instead (model.compile_parameter_free; docs/benchmarks.md).
     GRPO's policy (lengths_vary) takes them under every ZeRO stage with compile "auto" where it does not compile its
@@ -311,7 +313,8 @@ def compiles_parameter_free(ds_config: dict, train, lengths_vary: bool = False) 
     serve. Whole layers instead: pretraining under ZeRO 1-2 (engine/pretrain.py), pretraining under ZeRO-3 with
     decoder-layer leaves (compile true, or "auto" with AutoEP: ds_config.auto_compiles_layers) and GRPO's policy with
     compile true under any stage or "auto" under ZeRO-3 with AutoEP and layer leaves (ds_config.grpo_compiles_layers;
-    pretrain.compile_layers). Pipeline stages are left as they are."""
+    pretrain.compile_layers; `layers` says it where the caller decides: grpo.policy_compiles_layers). Pipeline stages
+    are left as they are."""
     from deepspeed.accelerator import get_accelerator
 
     from .ds_config import auto_compiles_layers, grpo_compiles_layers, zero3_compiles_layers
@@ -319,7 +322,9 @@ def compiles_parameter_free(ds_config: dict, train, lengths_vary: bool = False) 
     stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
     compile_ = getattr(train, "compile", False)
     device = get_accelerator().device_name()
-    if lengths_vary:  # GRPO's policy
+    if layers is not None:
+        pass
+    elif lengths_vary:  # GRPO's policy
         layers = grpo_compiles_layers(compile_, ds_config, device)
     else:
         layers = zero3_compiles_layers(ds_config) if compile_ is True else auto_compiles_layers(ds_config)

@@ -505,15 +505,16 @@ GRPO_AUTO_COMPILE = {  # shipped file -> what GRPO's train.compile "auto" compil
 
 
 @pytest.mark.parametrize("name", list(GRPO_AUTO_COMPILE))
-@pytest.mark.parametrize("device", ["cuda", "cpu"])
-def test_grpo_auto_compiles_the_policy_layers_under_zero3_with_autoep_on_a_gpu(monkeypatch, name, device):
+@pytest.mark.parametrize("device, rollout", [("cuda", "local"), ("cpu", "local"), ("cuda", "engine")])
+def test_grpo_auto_compiles_the_policy_layers_under_zero3_with_autoep_on_a_gpu(monkeypatch, name, device, rollout):
     """GRPO's setup with train.compile "auto", per shipped file: on CUDA under ZeRO-3 with AutoEP and decoder-layer
-    leaves the policy's layers are compiled whole (compile_layers, built with torch's linear) and not its parameter-
-    free functions; under ZeRO-2 the parameter-free functions only; the one-GPU reference copy takes its parameter-
-    free functions either way; a CPU run compiles nothing and keeps DeepSpeed's defaults. [fails if: setup keeps
-    compiling layers only for train.compile true, "auto" compiles layers under ZeRO-2 or on a CPU, the policy
-    compiles both, the fill of torch's linear does not follow the layers, or the copy stays eager beside compiled
-    layers]"""
+    leaves the policy's layers are compiled whole (compile_layers, built with torch's linear, linear-attention mixers
+    left eager first) and not its parameter-free functions; under ZeRO-2, or where the rollout generates through the
+    policy itself (grpo.rollout engine), the parameter-free functions only; the one-GPU reference copy takes its
+    parameter-free functions either way; a CPU run compiles nothing and keeps DeepSpeed's defaults. [fails if: setup
+    keeps compiling layers only for train.compile true, "auto" compiles layers under ZeRO-2, on a CPU or for the
+    engine rollout, the policy compiles both or neither, the fill of torch's linear does not follow the layers, the
+    mixers are compiled, or the copy stays eager beside compiled layers]"""
     from pathlib import Path
     from types import SimpleNamespace
 
@@ -525,23 +526,24 @@ def test_grpo_auto_compiles_the_policy_layers_under_zero3_with_autoep_on_a_gpu(m
     monkeypatch.setattr("deepspeed.accelerator.get_accelerator", lambda: SimpleNamespace(
         device_name=lambda: device, current_device_name=lambda: device))
     monkeypatch.setattr(parallel.torch.version, "hip", None)
-    r = load_recipe(None, {"train.compile": "auto", "grpo.beta": 0.04, "grpo.rollout": "engine",
-                     "train.activation_checkpointing": False})
+    r = load_recipe(None, {"train.compile": "auto", "grpo.beta": 0.04, "grpo.rollout": rollout,
+                           "train.activation_checkpointing": False})
     raw = read_ds_config(Path(__file__).parents[1] / "ds_configs" / name)
     ds = resolve_ds_config(raw, r, world_size=1, ranks_per_node=1, auto_batch=AutoBatch(), device=device)
-    seen = {}
+    seen, module = {}, SimpleNamespace(config=None)  # the policy's module
 
-    def engine(model, ds_, schedule, lengths_vary):
-        seen["parameter_free"] = parallel.compiles_parameter_free(ds_, schedule, lengths_vary)
+    def engine(model, ds_, schedule, lengths_vary, layers):
+        seen["parameter_free"] = parallel.compiles_parameter_free(ds_, schedule, lengths_vary, layers)
         seen["linear"] = ds_["zero_optimization"].get("memory_efficient_linear")
-        return SimpleNamespace(module="policy", device=device, train_micro_batch_size_per_gpu=lambda: 2,
+        return SimpleNamespace(module=module, device=device, train_micro_batch_size_per_gpu=lambda: 2,
                                gradient_accumulation_steps=lambda: 1)
 
     monkeypatch.setattr(grpo, "build_model", lambda *a, **k: torch.nn.Linear(1, 1))
     monkeypatch.setattr(grpo, "no_dropout", lambda model: None)
     monkeypatch.setattr(grpo, "build_engine", engine)
+    monkeypatch.setattr(grpo, "eager_linear_attention", lambda module: seen.setdefault("order", []).append("mixers"))
     monkeypatch.setattr(grpo, "compile_layers", lambda module, dynamic: seen.setdefault("layers", []).append(module)
-                        or ["layers.0"])
+                        or seen.setdefault("order", []).append("layers") or ["layers.0"])
     monkeypatch.setattr(grpo, "reference_is_copy", lambda *a: True)
     monkeypatch.setattr(grpo, "local_copy", lambda module, device, decode_experts: "copy")
     monkeypatch.setattr(grpo, "compile_parameter_free", lambda model, lengths_vary: seen.setdefault("copy", model))
@@ -550,7 +552,10 @@ def test_grpo_auto_compiles_the_policy_layers_under_zero3_with_autoep_on_a_gpu(m
     run = grpo.setup(r, ds, None, None, [{"n_tokens": 8}], [], SimpleNamespace(rank=0, size=1))
     assert run.ref == "copy"
     policy, copy = GRPO_AUTO_COMPILE[name] if device == "cuda" else ("none", "none")
-    assert seen.get("layers") == (["policy"] if policy == "layers" else None)
+    if rollout == "engine" and policy == "layers":
+        policy = "parameter-free"
+    assert seen.get("layers") == ([module] if policy == "layers" else None)
+    assert seen.get("order") == (["mixers", "layers"] if policy == "layers" else None)
     assert seen["parameter_free"] is (policy == "parameter-free")
     assert seen["linear"] is (False if policy == "layers" else None)  # torch's linear: one trace per layer kind
     assert seen.get("copy") == ("copy" if copy == "parameter-free" else None)
