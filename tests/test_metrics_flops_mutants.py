@@ -98,9 +98,10 @@ def test_peak_reads_the_named_cuda_device_and_nothing_off_cuda(monkeypatch):
 
 
 def test_a_listed_model_at_the_end_of_a_longer_name_is_not_matched():
-    """Whole words at both ends: "GH200" (a Grace Hopper superchip, not in the table) is not an "H200".
-    [kills: the leading \\b of peak_for_name's pattern dropped]"""
-    assert peak_for_name("NVIDIA GH200 480GB") is None
+    """Whole words at both ends: "QH200" (no such card) is not an "H200"; the Grace Hopper superchip's "GH200" is
+    its own entry, an H100's peak. [kills: the leading \\b of peak_for_name's pattern dropped]"""
+    assert peak_for_name("NVIDIA QH200 141GB") is None
+    assert peak_for_name("NVIDIA GH200 480GB") == 989.0
 
 
 # ---------------------------------------------------------------------------------------------- engine/metrics.py
