@@ -196,7 +196,7 @@ class SetupCalls:
         policy = SimpleNamespace(module=SimpleNamespace(config=None), train_micro_batch_size_per_gpu=lambda: 2,
                                  gradient_accumulation_steps=lambda: 3, device="cpu")
 
-        def build_engine(m, ds, schedule, lengths_vary):
+        def build_engine(m, ds, schedule, lengths_vary, layers):
             self.schedule = schedule
             return policy
 
