@@ -10,7 +10,7 @@ copy, no collectives), and trains on this rank's share (all of them on 1 rank, 4
   - the GRPO step's old-log-prob pass (grpo.old_logps, iterations 2) on the foreign routes, replay on and off;
   - the same loss and routes by hand: a plain Hugging Face fp32 copy of the policy whose routers return the
     foreign ids with transformers' own routing arithmetic, gradients averaged over ranks as DeepSpeed does.
-OUT/rank{r}.json holds the checks; the test compares runs (1 vs 2 ranks, activation checkpointing on vs off).
+OUT/rank{r}.json holds the checks; the test compares runs (1, 2 and 4 ranks, activation checkpointing off and on).
 usage: deepspeed --num_gpus N tests/scripts/replay_probe.py --out DIR --deepspeed_config ... [grpo args]
 """
 import json
