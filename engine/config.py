@@ -143,12 +143,11 @@ class TrainConfig:
     (engine/pretrain.py eager_linear_attention). true: as auto where the layers can be compiled whole, the mixers too (ZeRO-3 leaves without AutoEP included),
     refused elsewhere. false: never. bin/grpo.py: true compiles the policy's decoder layers, AutoEP eager, for any
     sequence length (compile_layers with dynamic shapes); auto does so on CUDA under ZeRO-3 with AutoEP and
-    decoder-layer leaves with grpo.rollout local, linear attention eager (policy pass ~9% shorter, steps 1.3-6%, for
-    14-20 s more at step 1; engine/grpo.py policy_compiles_layers), and elsewhere on CUDA compiles the policy's
-    parameter-free functions (layers eager: under ZeRO-1/2 the layers cost ~55 s at step 1 for 2.5%, and DeepSpeed's
-    whole-layer compile of ZeRO 1-2 pretraining does not serve GRPO's changing lengths). The one-GPU reference copy
-    (no-grad passes included) compiles its parameter-free functions wherever the policy compiles anything; its
-    layers stay eager. Measured: docs/benchmarks.md."""
+    decoder-layer leaves with grpo.rollout local, linear attention eager (engine/grpo.py policy_compiles_layers),
+    and elsewhere on CUDA compiles the policy's parameter-free functions (layers eager: under ZeRO-1/2 their compile
+    did not pay, and DeepSpeed's whole-layer compile of ZeRO 1-2 pretraining does not serve GRPO's changing
+    lengths). The one-GPU reference copy (no-grad passes included) compiles its parameter-free functions wherever
+    the policy compiles anything; its layers stay eager. Measured: docs/benchmarks.md."""
 
 
 @dataclass

@@ -644,13 +644,10 @@ def compiles_layers(compile_, cfg: dict, device: str) -> bool:
 
 def grpo_compiles_layers(compile_, cfg: dict, device: str) -> bool:
     """Whether GRPO's policy compiles its decoder layers whole (engine/pretrain.py compile_layers, one trace for any
-    length): train.compile true, or "auto" on a GPU ("cuda", "rocm") under ZeRO-3 with AutoEP and decoder-layer
-    leaves (zero3_compiles_layers), where the layers cost 14-20 s at step 1 for a policy pass ~9% shorter (steps
-    1.3-6%; docs/benchmarks.md). Under ZeRO-1/2 "auto" keeps to the parameter-free functions (engine/parallel.py
-    compiles_parameter_free): there the layers took ~55 s more at step 1 for 2.5%."""
-    if compile_ == "auto":
-        return device in ("cuda", "rocm") and zero3_compiles_layers(cfg) and uses_expert_parallel(cfg)
-    return compile_ is True
+    length): where pretraining does (compiles_layers), except "auto" under ZeRO-1/2, which keeps to the parameter-free
+    functions there (engine/parallel.py compiles_parameter_free: the layers' compile did not pay at GRPO's step counts;
+    measured in docs/benchmarks.md)."""
+    return compiles_layers(compile_, cfg, device) and (compile_ is True or zero_stage(cfg) == 3)
 
 
 def zero_stage(cfg: dict):

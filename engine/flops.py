@@ -14,11 +14,12 @@ import torch
 
 from . import pipeline
 
-H100_SXM_BF16_TFLOPS = 989.0  # dense bf16 peak of an H100 SXM, and of the H200, H800 and GH200: bin/bench.py's reference
+H100_SXM_BF16_TFLOPS = 989.0  # dense bf16 peak of an H100 SXM, the H200, H800 and GH200: bin/bench.py's reference
 # Dense bf16 peak (TFLOP/s, no sparsity) by the GPU model in the device's name, first match wins (the PCIe and NVL
 # H100s and H200s are slower than the SXM ones); MFU is left out on any other device.
 PEAK_BF16_TFLOPS = ((r"GH200", H100_SXM_BF16_TFLOPS), (r"H100 PCIe", 756.0), (r"H100 NVL", 835.0),
-                    (r"H100", H100_SXM_BF16_TFLOPS), (r"H200 NVL", 835.0), (r"H200", H100_SXM_BF16_TFLOPS), (r"H800 PCIe", 756.0),
+                    (r"H100", H100_SXM_BF16_TFLOPS), (r"H200 NVL", 835.0), (r"H200", H100_SXM_BF16_TFLOPS),
+                    (r"H800 PCIe", 756.0),
                     (r"H800", H100_SXM_BF16_TFLOPS),
                     (r"H20", 148.0), (r"A100", 312.0), (r"A800", 312.0))
 

@@ -322,11 +322,9 @@ def compiles_parameter_free(ds_config: dict, train, lengths_vary: bool = False, 
     stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
     compile_ = getattr(train, "compile", False)
     device = get_accelerator().device_name()
-    if layers is not None:
-        pass
-    elif lengths_vary:  # GRPO's policy
+    if layers is None and lengths_vary:  # GRPO's policy
         layers = grpo_compiles_layers(compile_, ds_config, device)
-    else:
+    elif layers is None:
         layers = zero3_compiles_layers(ds_config) if compile_ is True else auto_compiles_layers(ds_config)
     return (train is not None and compile_ is not False and (stage == 3 or lengths_vary)
             and not layers and "pipeline" not in ds_config and device == "cuda")
