@@ -482,16 +482,20 @@ class AutoBatch:
     def pick_micro(self, cfg: dict, recipe: Recipe, dp: int, device: str) -> tuple[int, str, str | None]:
         """(micro-batch, why, problem): the largest candidate whose predicted peak fits; problem if none does. With
         train.activation_checkpointing "auto", also whether to checkpoint (`checkpointing`): on where nothing fits
-        without it but something does with it, or where `checkpointing_pays`."""
+        without it but something does with it, or where `checkpointing_pays`. A refusal names checkpointing as the
+        way out only where a micro-batch would fit with it."""
         ckpt = recipe.train.activation_checkpointing
         self.checkpointing = ckpt is True
         micro, why, problem = self.fit_micro(cfg, with_checkpointing(recipe, ckpt is True), dp, device)
-        if ckpt == "auto" and self.sized(device) and "pipeline" not in cfg:
-            on, why_on, problem_on = self.fit_micro(cfg, with_checkpointing(recipe, True), dp, device)
-            if not problem_on and (problem or self.checkpointing_pays(cfg, recipe, micro, on)):
-                without = "nothing fits" if problem else f"{micro} row{'s' if micro > 1 else ''}"
-                self.checkpointing, micro, problem = True, on, None
-                why = f"{why_on}; activation checkpointing on (\"auto\": {without} without it)"
+        if ckpt is True or not self.sized(device) or "pipeline" in cfg or not (ckpt == "auto" or problem):
+            return micro, why, problem
+        on, why_on, problem_on = self.fit_micro(cfg, with_checkpointing(recipe, True), dp, device)
+        if ckpt == "auto" and not problem_on and (problem or self.checkpointing_pays(cfg, recipe, micro, on)):
+            without = "nothing fits" if problem else f"{micro} row{'s' if micro > 1 else ''}"
+            self.checkpointing, micro, problem = True, on, None
+            why = f"{why_on}; activation checkpointing on (\"auto\": {without} without it)"
+        elif problem and problem_on:  # checkpointing would not fit either: the refusal names the other ways out
+            problem = problem_on if ckpt == "auto" else self.fit_micro(cfg, recipe, dp, device, hint=False)[2]
         return micro, why, problem
 
     def checkpointing_pays(self, cfg: dict, recipe: Recipe, micro: int, on: int) -> bool:
@@ -500,8 +504,10 @@ class AutoBatch:
         return (_stage(cfg) == 3 and micro * recipe.data.seq_len < PRETRAIN_CKPT_BELOW_TOKENS
                 and on >= CKPT_ROWS_GAIN * micro)
 
-    def fit_micro(self, cfg: dict, recipe: Recipe, dp: int, device: str) -> tuple[int, str, str | None]:
-        """(micro-batch, why, problem) as the recipe stands: the largest candidate whose predicted peak fits."""
+    def fit_micro(self, cfg: dict, recipe: Recipe, dp: int, device: str,
+                  hint: bool = True) -> tuple[int, str, str | None]:
+        """(micro-batch, why, problem) as the recipe stands: the largest candidate whose predicted peak fits. `hint`
+        False: the refusal does not name activation checkpointing (pick_micro found it would not fit either)."""
         if not self.sized(device):
             return (*self.cpu_micro(), None)
         usable = self.usable_gib()
@@ -520,9 +526,12 @@ class AutoBatch:
         fix = ("use more GPUs (ZeRO-3 splits the states), ds_configs/zero2_bf16_states.json (bf16 master weights and "
                "Adam moments on the GPU: the fastest on one GPU) or zero3_offload.json (fp32 Adam, half of it in CPU "
                "memory)")
-        if states < usable and recipe.train.activation_checkpointing is False:  # the activations overflow, not the states
-            fix = "set train.activation_checkpointing to auto or true (the states fit; the activations do not), " \
-                  "or lower data.seq_len"
+        if states + self.beside_gib() < usable:  # the activations overflow, not the states (and what is beside them)
+            if hint and recipe.train.activation_checkpointing is False:
+                fix = (f"set train.activation_checkpointing to auto or true (the states fit; the activations do not), "
+                       f"or {self.shorter_rows()}")
+            else:
+                fix = f"{self.shorter_rows()} (the states fit; the activations do not, even checkpointed)"
         return 1, "", (f'train_micro_batch_size_per_gpu "auto": nothing fits this device: predicted peak '
                        f"{peaks[smallest]:.1f} GiB at micro-batch {smallest} (weights, gradients and optimizer state "
                        f"alone {states:.1f} GiB per rank on {dp} data-parallel rank{'s' if dp > 1 else ''}"
@@ -530,6 +539,13 @@ class AutoBatch:
 
     def beside(self) -> str:
         return ""
+
+    def beside_gib(self) -> float:
+        """What the run holds on the device beside the model's states and activations."""
+        return 0.0
+
+    def shorter_rows(self) -> str:
+        return "lower data.seq_len"
 
     def pick_accum(self, recipe: Recipe, micro: int, device: str) -> tuple[int, str]:
         seq = recipe.data.seq_len
@@ -582,6 +598,12 @@ class GRPOAutoBatch(AutoBatch):
 
     def beside(self) -> str:
         return f", the reference policy and the rollout decoder {self.extra_gib:.1f} GiB"
+
+    def beside_gib(self) -> float:
+        return self.extra_gib
+
+    def shorter_rows(self) -> str:
+        return "lower grpo.max_new_tokens"
 
     def checkpointing_pays(self, cfg: dict, recipe: Recipe, micro: int, on: int) -> bool:
         """GRPO: any stage, fewer than CKPT_BELOW_TOKENS tokens a micro-batch without it (its rows are short)."""

@@ -543,6 +543,44 @@ def test_grpo_auto_divides_the_rollout_batch():
     problems = full.resolve(dict(cfg), tiny, 1, "cuda")
     assert len(problems) == 1 and "nothing fits this device" in problems[0]
     assert "the reference policy and the rollout decoder 200.0 GiB" in problems[0], problems[0]
+    assert "zero2_bf16_states.json" in problems[0] and "activation_checkpointing" not in problems[0], problems[0]
+
+
+@pytest.mark.parametrize("room", ["checkpointed", "states", "none"])
+def test_a_refusal_names_the_way_out_that_fits(room):
+    """Where nothing fits, the refusal's fix is the one that would fit: checkpointing only where a checkpointed row
+    fits (train.activation_checkpointing false; "auto" then takes it), shorter rows where the states and what GRPO
+    holds beside them fit but no row does even checkpointed, and the states' ways out (more GPUs, bf16 states,
+    offload) where the states with the reference and the decoder do not fit. Found on an H100: a 4.6B model's GRPO
+    was told to checkpoint where its states (68.8 GiB) and the reference and decoder (17.4 GiB) alone overflowed.
+    [fails if: the states check leaves out what is beside them, or "auto"'s refusal (checkpointing tried) names
+    checkpointing, or a false one does where it would not fit]"""
+    from engine.auto_batch import GRPOAutoBatch, states_gib, with_checkpointing
+
+    cfg, tiny = read_ds_config(ZERO3), load_recipe(None)
+    probe = GRPOAutoBatch(memory_gib=79.2, sequences=1, seq_len=2 ** 21, what="test")  # one very long row
+    usable = probe.usable_gib()
+    off, on = (probe.peak_gib(cfg, with_checkpointing(tiny, c), 1, 1, "cuda") for c in (False, True))
+    states = states_gib(cfg, tiny, 1)
+    assert states < on < off < usable, (states, on, off, usable)
+    extra = {"checkpointed": usable - (on + off) / 2, "states": usable - (on + states) / 2, "none": usable}[room]
+    for ckpt in (False, "auto"):
+        recipe = with_checkpointing(tiny, False) if ckpt is False else tiny
+        assert recipe.train.activation_checkpointing == ckpt
+        a = GRPOAutoBatch(memory_gib=79.2, sequences=1, seq_len=2 ** 21, extra_gib=extra, what="test")
+        problems = a.resolve(dict(cfg), recipe, 1, "cuda")
+        if room == "checkpointed" and ckpt == "auto":
+            assert problems == [] and a.checkpointing, problems
+            continue
+        assert len(problems) == 1, problems
+        fix = problems[0].split(" GiB less 1 GiB); ")[1]
+        if room == "checkpointed":
+            assert fix.startswith("set train.activation_checkpointing to auto or true"), fix
+        elif room == "states":
+            assert fix.startswith("lower grpo.max_new_tokens (the states fit; the activations do not, even "
+                                  "checkpointed)"), fix
+        else:
+            assert fix.startswith("use more GPUs") and "activation_checkpointing" not in fix, fix
 
 
 def test_grpo_auto_checkpointing_follows_the_rows_a_micro_batch_holds():

@@ -9,7 +9,9 @@
 #   bash docs/bench/families_gpu.sh     (on the GPU machine, from the checkout, with .whl/ carried; about 4 minutes a
 #   family: split RECIPES over two 10-minute calls)
 # Switches: RECIPES, PT_STEPS, GRPO_STEPS, T_PT / T_GRPO (timeouts, s), PT_DS (pretraining DeepSpeed config),
-# SKIP_GRPO / SKIP_PT: 1 (every recipe) or the recipe names whose GRPO / pretraining part to skip.
+# SKIP_GRPO / SKIP_PT: 1 (every recipe) or the recipe names whose GRPO / pretraining part to skip;
+# LAYERS="mixtral_8x7b_l3=2 deepseek_v2_lite_l8=5": those recipes at that depth (a copy in $W; the published depths
+# here are sized for a 141 GB card, and GRPO's "auto" refuses them on an 80 GB one).
 # Files: $OUT/<recipe>_pretrain.jsonl, $OUT/<recipe>_grpo.jsonl (metrics rows), $OUT/families.md (table), logs.tgz.
 # CPU smoke test: RECIPES="tiny_mixtral tiny_deepseek_v2 qwen3_5_35b_a3b_l4" PT_STEPS=4 GRPO_STEPS=1 MAX_NEW=8 \
 #   QWEN_OVERRIDES='{"hidden_size": 64, "num_experts": 8, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
@@ -48,6 +50,12 @@ skips() { [ "$1" = 1 ] || [[ " $1 " == *" $rec "* ]]; }  # SKIP_PT / SKIP_GRPO n
 for rec in ${RECIPES:-mixtral_8x7b_l3 deepseek_v2_lite_l8 qwen3_5_35b_a3b_l4}; do
   recipe=engine/recipes/$rec.yaml
   if [ "$rec" = qwen3_5_35b_a3b_l4 ]; then make_qwen 2>&1 | tail -1; recipe=$W/$rec.yaml; fi
+  [ "$rec" = qwen3_5_35b_a3b_l4 ] || rm -f $W/$rec.yaml  # an earlier run's LAYERS copy
+  for pair in ${LAYERS:-}; do  # the recipe at another depth: a copy in $W, which the table below reads too
+    [ "${pair%%=*}" = "$rec" ] || continue
+    sed -E "s/^(  num_layers:) [0-9]+/\1 ${pair#*=}/" $recipe > $W/$rec.yaml.tmp && mv $W/$rec.yaml.tmp $W/$rec.yaml
+    recipe=$W/$rec.yaml; echo "$rec at ${pair#*=} layers ($recipe)"
+  done
   python3 - engine/recipes/grpo_2b6.yaml $W/grpo_$rec.yaml "${MAX_NEW:-}" <<'PY'
 import sys, yaml
 r = yaml.safe_load(open(sys.argv[1]))
@@ -90,8 +98,8 @@ def flops_per_token(rec):
     from transformers import AutoModelForCausalLM
     from engine.config import load_recipe
     from engine.model import make_hf_config
-    path = Path(f"engine/recipes/{rec}.yaml")
-    r = load_recipe(path if path.exists() else Path(os.environ["W"]) / f"{rec}.yaml")
+    path = Path(os.environ["W"]) / f"{rec}.yaml"  # LAYERS' copy or the Qwen recipe built above, else the shipped one
+    r = load_recipe(path if path.exists() else Path(f"engine/recipes/{rec}.yaml"))
     m = r.model
     cfg = make_hf_config(m) if m.init_from is None else __import__("transformers").AutoConfig.from_pretrained(m.init_from)
     with torch.device("meta"):
@@ -124,9 +132,10 @@ for rec in sys.argv[2:]:
     mfu = med([r["tokens_per_s_per_rank"] for r in pt]) * flops_per_token(rec) / 989e12 if pt else None
     dec = [r["decode_ms_per_step"] for r in g if "decode_ms_per_step" in r]
     eng = [r["rollout_ms_per_step"] for r in g if "rollout_ms_per_step" in r]  # grpo.rollout engine: generate's ms per step
+    grpo = (f"{len(g)} | {med([r['step_s'] for r in g]):.2f} | {med(dec or eng):.2f} | {'local' if dec else 'engine'}"
+            if g else f"{len(g)} | - | - | -")
     print(f"| {rec} | {len(pt)} | {med([r['tokens_per_s'] for r in pt]):.0f} | "
-          f"{'-' if mfu is None else f'{100 * mfu:.1f}%'} | {max((r.get('peak_mem_gib') or 0) for r in pt) if pt else '-'} | "
-          f"{pt[0]['loss']:.3f} -> {pt[-1]['loss']:.3f} | {len(g)} | {med([r['step_s'] for r in g]):.2f} | "
-          f"{med(dec or eng):.2f} | {'local' if dec else 'engine'} |" if pt else f"| {rec} | 0 | - | - | - | - | {len(g)} | - | - | - |")
+          f"{'-' if mfu is None else f'{100 * mfu:.1f}%'} | {max((r.get('peak_mem_gib') or 0) for r in pt)} | "
+          f"{pt[0]['loss']:.3f} -> {pt[-1]['loss']:.3f} | {grpo} |" if pt else f"| {rec} | 0 | - | - | - | - | {grpo} |")
 PY
 tar czf "$OUT/logs.tgz" -C $W logs
