@@ -49,6 +49,12 @@ export TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1  # 9.0a breaks DeepSpeed's op
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1  # everything is local; no hub lookups (or their retries) on the device
 T0=$SECONDS
 END=$((SECONDS + ${BUDGET_S:-550}))
+# A budget that cannot hold one engine run (60 s) or, without REUSE_INIT=1, the init (30 s, with 120 s kept for the
+# runs after it) stops here, before the install and the FusedAdam build (up to ~45 s) spend any of it.
+floor=60 what="one engine run"; [ "${REUSE_INIT:-0}" = 1 ] || floor=150 what="the init and the runs after it"
+if [ "${SUMMARY_ONLY:-0}" != 1 ] && [ "${BUDGET_S:-550}" -lt "$floor" ]; then
+  echo "BUDGET_S=${BUDGET_S}: below the ${floor} s that $what need; raise BUDGET_S"; exit 2
+fi
 if ! python3 -c "import deepspeed, trl" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     > "$LOGS/install.log" 2>&1 || { echo "install failed:"; tail -5 "$LOGS/install.log"; }
