@@ -49,8 +49,8 @@ PY
 skips() { [ "$1" = 1 ] || [[ " $1 " == *" $rec "* ]]; }  # SKIP_PT / SKIP_GRPO name this recipe (or are 1)
 for rec in ${RECIPES:-mixtral_8x7b_l3 deepseek_v2_lite_l8 qwen3_5_35b_a3b_l4}; do
   recipe=engine/recipes/$rec.yaml
-  if [ "$rec" = qwen3_5_35b_a3b_l4 ]; then make_qwen 2>&1 | tail -1; recipe=$W/$rec.yaml; fi
-  [ "$rec" = qwen3_5_35b_a3b_l4 ] || rm -f $W/$rec.yaml  # an earlier run's LAYERS copy
+  if [ "$rec" = qwen3_5_35b_a3b_l4 ]; then make_qwen 2>&1 | tail -1; recipe=$W/$rec.yaml
+  else rm -f $W/$rec.yaml; fi  # an earlier run's LAYERS copy
   for pair in ${LAYERS:-}; do  # the recipe at another depth: a copy in $W, which the table below reads too
     [ "${pair%%=*}" = "$rec" ] || continue
     sed -E "s/^(  num_layers:) [0-9]+/\1 ${pair#*=}/" $recipe > $W/$rec.yaml.tmp && mv $W/$rec.yaml.tmp $W/$rec.yaml
